@@ -1,0 +1,68 @@
+"""What the engine and the actor share: bearer-token auth, clear 4xx errors, model loading, devices."""
+import hmac
+import os
+from pathlib import Path
+
+import torch
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+
+def service_app(title: str, token: str | None) -> FastAPI:
+    """A FastAPI app where every route needs `Authorization: Bearer <token>` (when a token is set)
+    and every error is `{"error": "..."}` naming what was wrong."""
+    app = FastAPI(title=title)
+
+    @app.middleware("http")
+    async def check_token(request: Request, call_next):
+        if token:
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_request: Request, exc: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"error": f"bad request body: {problems}"}, status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException):
+        return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
+
+    return app
+
+
+def check_model_dir(path: str) -> Path:
+    """Fail with a message naming the directory and what it lacks."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"model dir {path!r} does not exist")
+    if not (p / "config.json").is_file():
+        raise ValueError(f"model dir {path!r} has no config.json")
+    if not any(p.glob("*.safetensors")):
+        raise ValueError(f"model dir {path!r} has no *.safetensors weights")
+    return p
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+    from transformers import AutoModelForCausalLM
+    check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device or default_device()).eval()
+
+
+def token_from_env() -> str | None:
+    return os.environ.get("MOLT_TOKEN") or None

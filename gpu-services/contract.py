@@ -1,0 +1,212 @@
+"""The HTTP bodies of the engine and the actor, defined once.
+
+`python gpu-services/contract.py` writes gpu-services/contract.schema.json, which the TypeScript side
+validates against (ajv), so both ends check the same shapes. Every model forbids unknown fields:
+a typo in a sampling parameter must fail loudly, not be silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ----------------------------------------------------------------------------- engine
+
+class SamplingParams(Strict):
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0)  # 0 = greedy
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # 0 = off
+    stop_token_ids: list[int] = []
+    seed: Optional[int] = None  # per-request generator; same seed + same weights -> same tokens
+
+
+class GenerateRequest(Strict):
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    request_id: Optional[str] = None
+    stream: bool = False  # true: NDJSON lines of GenerateChunk, the last one carries finish_reason
+    return_routed_experts: bool = False
+
+
+class GenerateChunk(Strict):
+    """One streamed piece; the final line also has finish_reason set."""
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+
+
+class GenerateResponse(Strict):
+    request_id: str
+    token_ids: list[int]  # sampled ids, never re-tokenized text
+    logprobs: list[float]  # log p(token) under the distribution actually sampled from
+    versions: list[int]  # engine weight version when each token was sampled
+    finish_reason: Literal["stop", "length", "abort"]
+    routed_experts: Optional[list[list[list[int]]]] = None  # [tokens][layers][top_k]
+
+
+class EngineLoad(Strict):
+    running: int
+    waiting: int
+
+
+class EngineHealth(Strict):
+    backend: Literal["torch", "vllm"]
+    model: str
+    version: int
+    paused: bool
+    load: EngineLoad
+
+
+class PauseRequest(Strict):
+    mode: Literal["keep", "abort"] = "keep"
+
+
+class AbortRequest(Strict):
+    request_ids: Optional[list[str]] = None  # None = all
+
+
+class TensorSpec(Strict):
+    name: str
+    dtype: str  # torch dtype name without prefix: "float32", "bfloat16"
+    shape: list[int]
+
+
+class WeightReceiveRequest(Strict):
+    """Join a one-off torch.distributed group with the actor (rank 0) and receive a broadcast of
+    each bucket: one flat uint8 tensor holding the bucket's tensors back to back, in spec order."""
+    master_addr: str
+    master_port: int
+    world_size: int
+    rank: int = Field(ge=1)
+    backend: Literal["gloo", "nccl"] = "gloo"
+    buckets: list[list[TensorSpec]]
+    version: int
+
+
+class WeightLoadRequest(Strict):
+    path: str  # HF model directory (safetensors)
+    version: int
+
+
+class VersionResponse(Strict):
+    version: int
+
+
+# ----------------------------------------------------------------------------- actor
+
+class RolloutCorrection(Strict):
+    level: Literal["off", "token", "seq", "geo"] = "off"
+    mode: Literal["mask", "clip", "trunc"] = "mask"
+    low: float = 0.5
+    high: float = 5.0
+
+
+class AlgoConfig(Strict):
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce++", "on_policy_distill"] = "grpo"
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    lr: float = Field(1e-6, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None  # c > 1: caps the loss of negative advantages at c * |A|
+    rollout_correction: RolloutCorrection = RolloutCorrection()
+    max_staleness: Optional[int] = None  # tokens older than this many versions are masked
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_coef: float = 0.0  # needs a reference model (the actor's initial weights)
+    entropy_coef: float = 0.0
+    gamma: float = 1.0  # reinforce++ discount
+    reward_clip: float = 10.0
+    micro_batch_tokens: int = 8192  # forward/backward in chunks of at most this many tokens
+
+
+class TrainStepRequest(Strict):
+    run_id: str
+    step: int = Field(ge=1)  # the step that produces weight version `step`
+    store_root: str
+    trajectories: list[str] = Field(min_length=1)  # refs relative to store_root
+    algo: AlgoConfig = AlgoConfig()
+
+
+class TrainStepResponse(Strict):
+    run_id: str
+    step: int
+    version: int
+    replayed: bool  # true: (run_id, step) was already applied; these are the recorded metrics
+    metrics: dict[str, float]
+
+
+class EngineRef(Strict):
+    url: str
+
+
+class PushWeightsRequest(Strict):
+    engines: list[EngineRef] = Field(min_length=1)
+    version: int
+    bucket_bytes: int = 512 * 1024 * 1024
+
+
+class PushWeightsResponse(Strict):
+    version: int
+    bytes: int
+    seconds: float
+
+
+class CheckpointRequest(Strict):
+    path: str
+
+
+class CheckpointResponse(Strict):
+    path: str
+    step: int
+    version: int
+
+
+class LogprobsRequest(Strict):
+    token_ids: list[list[int]] = Field(min_length=1)
+
+
+class LogprobsResponse(Strict):
+    logprobs: list[list[float]]  # [i][t] = log p(token t | tokens < t); [i][0] = 0
+
+
+class ActorHealth(Strict):
+    version: int
+    last_step: int
+    run_id: Optional[str]
+    world_size: int
+    model: str
+
+
+class ErrorResponse(Strict):
+    error: str
+
+
+ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, EngineHealth, PauseRequest,
+       AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, AlgoConfig,
+       TrainStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
+       CheckpointRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]
+
+SCHEMA_PATH = Path(__file__).with_name("contract.schema.json")
+
+
+def json_schema() -> dict:
+    return {m.__name__: m.model_json_schema() for m in ALL}
+
+
+if __name__ == "__main__":
+    text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+    if "--check" in sys.argv:  # used by the tests: the checked-in schema is current
+        sys.exit(0 if SCHEMA_PATH.read_text() == text else f"{SCHEMA_PATH} is stale: run python {__file__}")
+    SCHEMA_PATH.write_text(text)
