@@ -1,0 +1,38 @@
+// What crosses Temporal between the loop and its activities: references and small records only,
+// never token arrays (the trajectory store holds those).
+import type { AlgoConfig, RecipeConfig } from '../agents/recipe';
+
+export interface RolloutGroupInput {
+  runId: string;
+  groupIndex: number; // the prompt group: all G episodes of a group get the same task
+  recipeDir: string; // absolute path of the recipe folder (its agent module is loaded from there)
+  config: RecipeConfig; // resolved config
+}
+
+export interface GroupResult {
+  groupIndex: number;
+  refs: string[]; // trajectory store keys, relative to the store root, one per episode segment
+  rewards: number[]; // one per finished episode
+  failed: number; // episodes whose agent threw
+  tokens: number; // generated tokens in the group
+  minVersion: number; // oldest policy version among the group's sampled tokens
+  maxVersion: number;
+  seconds: number;
+}
+
+export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }
+export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }
+
+export interface RefitInput { runId: string; version: number }
+export interface RefitResult { version: number; seconds: number; bytes: number }
+
+export interface CheckpointInput { runId: string; step: number }
+export interface CheckpointResult { path: string; step: number }
+
+// Where the activities find the services; one set per worker process.
+export interface ServiceEndpoints {
+  engines: string[]; // engine base URLs
+  actor: string; // actor base URL
+  token: string; // bearer token of the GPU services
+  storeRoot: string; // trajectory store and checkpoints live under here: <storeRoot>/<runId>/...
+}

@@ -1,0 +1,66 @@
+// The recipe config: one zod schema, checked before anything starts. A recipe is a folder with
+// recipe.json (this schema) and the agent module it names (exports `AgentRunner`).
+import { z } from 'zod';
+
+const sampling = z.strictObject({
+  max_tokens: z.number().int().positive(),
+  temperature: z.number().min(0).default(1),
+  top_p: z.number().gt(0).max(1).default(1),
+  top_k: z.number().int().min(0).default(0),
+  stop_token_ids: z.array(z.number().int()).default([]),
+});
+
+// Mirrors AlgoConfig in gpu-services/contract.py (the actor validates it again).
+const algo = z.strictObject({
+  advantage: z.enum(['grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill']).default('grpo'),
+  policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo'),
+  lr: z.number().positive().default(1e-6),
+  betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]),
+  weight_decay: z.number().min(0).default(0),
+  grad_clip: z.number().positive().default(1),
+  clip_low: z.number().min(0).default(0.2),
+  clip_high: z.number().min(0).default(0.2),
+  dual_clip: z.number().gt(1).nullable().default(null),
+  rollout_correction: z.strictObject({
+    level: z.enum(['off', 'token', 'seq', 'geo']).default('off'),
+    mode: z.enum(['mask', 'clip', 'trunc']).default('mask'),
+    low: z.number().default(0.5),
+    high: z.number().default(5),
+  }).default({ level: 'off', mode: 'mask', low: 0.5, high: 5 }),
+  max_staleness: z.number().int().min(0).nullable().default(null),
+  kl_estimator: z.enum(['k1', 'k2', 'k3']).default('k3'),
+  kl_coef: z.number().min(0).default(0),
+  entropy_coef: z.number().default(0),
+  gamma: z.number().min(0).max(1).default(1),
+  reward_clip: z.number().positive().default(10),
+  micro_batch_tokens: z.number().int().positive().default(8192),
+});
+
+export const RecipeConfig = z.strictObject({
+  name: z.string().min(1),
+  agent: z.string().min(1).describe('agent module path, relative to the recipe folder'),
+  model: z.string().min(1).describe('local HF model directory, or "tiny" for the generated tiny model'),
+  seed: z.number().int().default(0),
+  group_size: z.number().int().positive().describe('episodes per prompt group (G)'),
+  pool: z.strictObject({ inflight: z.number().int().positive() }),
+  batch: z.strictObject({ groups: z.number().int().positive() }),
+  // What to do with groups whose tokens exceed algo.max_staleness: mask those tokens, or drop the group.
+  staleness_mode: z.enum(['mask', 'drop']).default('mask'),
+  train: z.strictObject({ steps: z.number().int().positive() }),
+  checkpoint: z.strictObject({ every: z.number().int().positive() }),
+  sampling,
+  algo,
+  engines: z.strictObject({
+    count: z.number().int().positive().default(1),
+    backend: z.enum(['torch', 'vllm']).default('torch'),
+  }).default({ count: 1, backend: 'torch' }),
+  actor: z.strictObject({
+    world_size: z.number().int().positive().default(1),
+    offload_optimizer: z.boolean().default(false),
+  }).default({ world_size: 1, offload_optimizer: false }),
+  max_context: z.number().int().positive().default(1024),
+  env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
+});
+export type RecipeConfig = z.infer<typeof RecipeConfig>;
+export type AlgoConfig = RecipeConfig['algo'];
+export type SamplingConfig = RecipeConfig['sampling'];
