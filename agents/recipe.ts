@@ -64,3 +64,10 @@ export const RecipeConfig = z.strictObject({
 export type RecipeConfig = z.infer<typeof RecipeConfig>;
 export type AlgoConfig = RecipeConfig['algo'];
 export type SamplingConfig = RecipeConfig['sampling'];
+
+// "tiny" names the generated tiny model that infra/bootstrap.sh writes; anything else is a local HF directory.
+export const REPO_ROOT = require('node:path').resolve(__dirname, '..') as string;
+export function resolveModelDir(model: string): string {
+  const path = require('node:path') as typeof import('node:path');
+  return model === 'tiny' ? path.join(REPO_ROOT, '.molt', 'models', 'tiny') : path.resolve(model);
+}
