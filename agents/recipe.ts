@@ -1,5 +1,6 @@
 // The recipe config: one zod schema, checked before anything starts. A recipe is a folder with
 // recipe.json (this schema) and the agent module it names (exports `AgentRunner`).
+import * as path from 'node:path';
 import { z } from 'zod';
 
 const sampling = z.strictObject({
@@ -66,8 +67,7 @@ export type AlgoConfig = RecipeConfig['algo'];
 export type SamplingConfig = RecipeConfig['sampling'];
 
 // "tiny" names the generated tiny model that infra/bootstrap.sh writes; anything else is a local HF directory.
-export const REPO_ROOT = require('node:path').resolve(__dirname, '..') as string;
+export const REPO_ROOT = path.resolve(__dirname, '..');
 export function resolveModelDir(model: string): string {
-  const path = require('node:path') as typeof import('node:path');
   return model === 'tiny' ? path.join(REPO_ROOT, '.molt', 'models', 'tiny') : path.resolve(model);
 }
