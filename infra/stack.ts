@@ -1,0 +1,166 @@
+// The local stack: Temporal dev server (SQLite file + Web UI), N engines, the actor (torchrun) and the
+// worker(s), each a child process with its log in <stateDir>/logs. Used by `molt-client dev`
+// (`npm start`), the end-to-end tests and the benchmarks. stop() ends everything it started.
+import { ChildProcess, spawn } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
+import * as fs from 'node:fs';
+import * as net from 'node:net';
+import * as path from 'node:path';
+import { REPO_ROOT } from '../agents/recipe';
+
+const VENV_BIN = path.join(REPO_ROOT, '.venv', 'bin');
+const SEARCH_ATTRIBUTES = ['MoltRecipe=Keyword', 'MoltStep=Int', 'MoltVersion=Int', 'MoltReward=Double'];
+
+export interface StackOptions {
+  modelDir: string;
+  stateDir?: string; // default <repo>/.molt/stack
+  engines?: number;
+  actorWorldSize?: number;
+  temporal?: { port?: number; uiPort?: number } | { address: string }; // address = use a running server
+  workers?: boolean; // start the worker process (default true)
+  engineArgs?: string[];
+  actorArgs?: string[];
+  quiet?: boolean;
+}
+
+export interface Stack {
+  temporalAddress: string;
+  uiUrl: string | null;
+  engines: string[];
+  actor: string;
+  token: string;
+  storeRoot: string;
+  stateDir: string;
+  processes: Map<string, ChildProcess>;
+  startWorker(name: string, queues: string): Promise<ChildProcess>;
+  stop(): Promise<void>;
+}
+
+export async function freePort(): Promise<number> {
+  return new Promise((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => {
+      const { port } = server.address() as net.AddressInfo;
+      server.close(() => resolve(port));
+    });
+  });
+}
+
+async function waitFor(what: string, check: () => Promise<boolean>, proc: ChildProcess, log: string, timeoutMs = 180_000) {
+  const deadline = Date.now() + timeoutMs;
+  while (Date.now() < deadline) {
+    if (proc.exitCode !== null) throw new Error(`${what} exited with code ${proc.exitCode}; log ${log}:\n${tail(log)}`);
+    if (await check().catch(() => false)) return;
+    await new Promise((r) => setTimeout(r, 250));
+  }
+  throw new Error(`${what} not ready after ${timeoutMs / 1000}s; log ${log}:\n${tail(log)}`);
+}
+
+function tail(file: string): string {
+  try {
+    return fs.readFileSync(file, 'utf8').slice(-3000);
+  } catch {
+    return '';
+  }
+}
+
+async function healthy(url: string, token: string): Promise<boolean> {
+  const res = await fetch(`${url}/health`, { headers: { authorization: `Bearer ${token}` } });
+  return res.ok;
+}
+
+async function tcpOpen(port: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    const socket = net.connect(port, '127.0.0.1', () => { socket.end(); resolve(true); });
+    socket.once('error', () => resolve(false));
+  });
+}
+
+export async function startStack(opts: StackOptions): Promise<Stack> {
+  const stateDir = path.resolve(opts.stateDir ?? path.join(REPO_ROOT, '.molt', 'stack'));
+  const logDir = path.join(stateDir, 'logs');
+  const storeRoot = path.join(stateDir, 'runs');
+  fs.mkdirSync(logDir, { recursive: true });
+  fs.mkdirSync(storeRoot, { recursive: true });
+  const token = process.env.MOLT_TOKEN ?? randomBytes(16).toString('hex');
+  const processes = new Map<string, ChildProcess>();
+  const say = (msg: string) => opts.quiet || console.error(`[stack] ${msg}`);
+
+  const launch = (name: string, cmd: string, args: string[], env: Record<string, string> = {}) => {
+    const log = path.join(logDir, `${name}.log`);
+    const out = fs.openSync(log, 'a');
+    const proc = spawn(cmd, args, {
+      cwd: REPO_ROOT, detached: true, stdio: ['ignore', out, out],
+      env: { ...process.env, OMP_NUM_THREADS: '1', MOLT_TOKEN: token, ...env },
+    });
+    fs.closeSync(out);
+    processes.set(name, proc);
+    return { proc, log };
+  };
+
+  const stop = async () => {
+    const live = [...processes.values()].filter((p) => p.exitCode === null && p.signalCode === null);
+    for (const p of live) try { process.kill(-p.pid!, 'SIGTERM'); } catch { /* already gone */ }
+    const deadline = Date.now() + 15_000;
+    while (live.some((p) => p.exitCode === null && p.signalCode === null) && Date.now() < deadline) {
+      await new Promise((r) => setTimeout(r, 100));
+    }
+    for (const p of live) try { process.kill(-p.pid!, 'SIGKILL'); } catch { /* already gone */ }
+    processes.clear();
+  };
+
+  try {
+    let temporalAddress: string;
+    let uiUrl: string | null = null;
+    if (opts.temporal && 'address' in opts.temporal) {
+      temporalAddress = opts.temporal.address;
+    } else {
+      const port = opts.temporal?.port ?? (await freePort());
+      const uiPort = opts.temporal?.uiPort ?? (await freePort());
+      const args = ['server', 'start-dev', '--db-filename', path.join(stateDir, 'temporal.db'), '--port', String(port),
+        '--ui-port', String(uiPort), '--http-port', String(await freePort()), '--metrics-port', String(await freePort()),
+        '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a])];
+      const { proc, log } = launch('temporal', path.join(VENV_BIN, 'temporal'), args);
+      await waitFor('temporal dev server', () => tcpOpen(port), proc, log);
+      temporalAddress = `127.0.0.1:${port}`;
+      uiUrl = `http://localhost:${uiPort}`;
+      say(`temporal ${temporalAddress}, UI ${uiUrl}`);
+    }
+
+    const engineCount = opts.engines ?? 1;
+    const engines: string[] = [];
+    const ready: Promise<void>[] = [];
+    for (let i = 0; i < engineCount; i++) {
+      const port = await freePort();
+      const url = `http://127.0.0.1:${port}`;
+      const { proc, log } = launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
+        ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])]);
+      engines.push(url);
+      ready.push(waitFor(`engine-${i}`, () => healthy(url, token), proc, log));
+    }
+    const actorPort = await freePort();
+    const actor = `http://127.0.0.1:${actorPort}`;
+    const actorLaunch = launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
+      `--nproc-per-node=${opts.actorWorldSize ?? 1}`, 'gpu-services/actor.py', '--model', opts.modelDir,
+      '--port', String(actorPort), '--state-dir', path.join(stateDir, 'actor'), ...(opts.actorArgs ?? [])]);
+    ready.push(waitFor('actor', () => healthy(actor, token), actorLaunch.proc, actorLaunch.log));
+    await Promise.all(ready);
+    say(`engines ${engines.join(' ')}; actor ${actor}`);
+
+    const startWorker = async (name: string, queues: string) => {
+      const { proc, log } = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
+        MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engines.join(','), MOLT_ACTOR: actor,
+        MOLT_STORE: storeRoot, MOLT_QUEUES: queues,
+      });
+      await waitFor(name, async () => tail(log).includes('worker ready'), proc, log, 120_000);
+      return proc;
+    };
+    if (opts.workers ?? true) await startWorker('worker', 'molt-control,molt-rollout,molt-actor');
+
+    return { temporalAddress, uiUrl, engines, actor, token, storeRoot, stateDir, processes, startWorker, stop };
+  } catch (err) {
+    await stop();
+    throw err;
+  }
+}
