@@ -1,0 +1,154 @@
+// The trajectory store (claim check): one safetensors file per episode segment under
+// <storeRoot>/<runId>/trajectories/. Temporal carries only the keys. gpu-services/trajectories.py
+// reads these files; keep the format exactly.
+//
+// safetensors layout: u64 little-endian header length N | N bytes of JSON header (padded with spaces
+// to a multiple of 8) | raw little-endian tensor data. The header maps each tensor name to
+// {dtype, shape, data_offsets: [begin, end]} (offsets into the data part) plus "__metadata__"
+// (string -> string).
+import * as fs from 'node:fs';
+import * as path from 'node:path';
+
+export const TRAJECTORY_FORMAT = 'molt-trajectory-v1';
+
+type DType = 'I32' | 'F32' | 'U8' | 'I16';
+type TypedArray = Int32Array | Float32Array | Uint8Array | Int16Array;
+const ARRAY_OF: Record<DType, { new (buffer: ArrayBuffer): TypedArray; BYTES_PER_ELEMENT: number }> = {
+  I32: Int32Array, F32: Float32Array, U8: Uint8Array, I16: Int16Array,
+};
+
+export interface Tensor { dtype: DType; shape: number[]; data: TypedArray }
+
+export function encodeSafetensors(tensors: Record<string, Tensor>, metadata: Record<string, string>): Buffer {
+  // Wider dtypes first, so each tensor starts aligned to its element size.
+  const names = Object.keys(tensors).sort((a, b) => tensors[b].data.BYTES_PER_ELEMENT - tensors[a].data.BYTES_PER_ELEMENT);
+  const header: Record<string, unknown> = { __metadata__: metadata };
+  let offset = 0;
+  for (const name of names) {
+    const t = tensors[name];
+    const count = t.shape.reduce((a, b) => a * b, 1);
+    if (count !== t.data.length) throw new Error(`tensor ${name}: shape ${JSON.stringify(t.shape)} holds ${count} elements, data has ${t.data.length}`);
+    if (!(t.data instanceof ARRAY_OF[t.dtype])) throw new Error(`tensor ${name}: data is not a ${t.dtype} array`);
+    header[name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + t.data.byteLength] };
+    offset += t.data.byteLength;
+  }
+  let json = JSON.stringify(header);
+  json += ' '.repeat((8 - (Buffer.byteLength(json) % 8)) % 8);
+  const headerBytes = Buffer.from(json, 'utf8');
+  const out = Buffer.alloc(8 + headerBytes.length + offset);
+  out.writeBigUInt64LE(BigInt(headerBytes.length), 0);
+  headerBytes.copy(out, 8);
+  let at = 8 + headerBytes.length;
+  for (const name of names) {
+    const d = tensors[name].data; // typed arrays are host-endian; every supported host is little-endian
+    Buffer.from(d.buffer, d.byteOffset, d.byteLength).copy(out, at);
+    at += d.byteLength;
+  }
+  return out;
+}
+
+export function decodeSafetensors(buf: Buffer, what: string): { tensors: Record<string, Tensor>; metadata: Record<string, string> } {
+  if (buf.length < 8) throw new Error(`${what}: not safetensors (${buf.length} bytes)`);
+  const n = Number(buf.readBigUInt64LE(0));
+  if (8 + n > buf.length) throw new Error(`${what}: header length ${n} exceeds the file (${buf.length} bytes)`);
+  const header = JSON.parse(buf.subarray(8, 8 + n).toString('utf8')) as Record<string, any>;
+  const dataStart = 8 + n;
+  const tensors: Record<string, Tensor> = {};
+  for (const [name, spec] of Object.entries(header)) {
+    if (name === '__metadata__') continue;
+    const Array_ = ARRAY_OF[spec.dtype as DType];
+    if (!Array_) throw new Error(`${what}: tensor ${name} has unsupported dtype ${spec.dtype}`);
+    const [begin, end] = spec.data_offsets as [number, number];
+    if (dataStart + end > buf.length) throw new Error(`${what}: tensor ${name} runs past the end of the file`);
+    // Copy into a fresh, aligned buffer: the slice inside the file need not be aligned.
+    const bytes = new Uint8Array(end - begin);
+    bytes.set(buf.subarray(dataStart + begin, dataStart + end));
+    tensors[name] = { dtype: spec.dtype, shape: spec.shape, data: new Array_(bytes.buffer) };
+  }
+  return { tensors, metadata: header.__metadata__ ?? {} };
+}
+
+// A retried write is the same write: the bytes go to a temp file, are fsynced, then renamed over
+// the deterministic key, so readers see either nothing or the whole file.
+export function writeFileAtomic(file: string, data: Buffer | string): void {
+  fs.mkdirSync(path.dirname(file), { recursive: true });
+  const tmp = `${file}.tmp-${process.pid}-${Math.random().toString(36).slice(2)}`;
+  const fd = fs.openSync(tmp, 'w');
+  try {
+    fs.writeSync(fd, data);
+    fs.fsyncSync(fd);
+  } finally {
+    fs.closeSync(fd);
+  }
+  fs.renameSync(tmp, file);
+  const dir = fs.openSync(path.dirname(file), 'r');
+  try { fs.fsyncSync(dir); } finally { fs.closeSync(dir); }
+}
+
+export interface Trajectory {
+  tokens: number[]; // [T] prompt, sampled and observation tokens
+  logprobs: number[]; // [T] rollout logprob of sampled tokens, 0 elsewhere
+  versions: number[]; // [T] engine weight version of sampled tokens, -1 elsewhere
+  lossMask: number[]; // [T] 1 = sampled by the policy
+  routedExperts?: number[][][]; // [T][layers][top_k] for MoE routing replay
+}
+
+export interface TrajectoryMeta {
+  run: string;
+  group: number;
+  episode: number;
+  segment: number;
+  reward: number;
+  finish: string;
+}
+
+export function trajectoryKey(runId: string, group: number, episode: number, segment: number): string {
+  return `${runId}/trajectories/g${group}/e${episode}-s${segment}.safetensors`;
+}
+
+export function writeTrajectory(storeRoot: string, key: string, t: Trajectory, meta: TrajectoryMeta): void {
+  const T = t.tokens.length;
+  for (const [name, arr] of [['logprobs', t.logprobs], ['versions', t.versions], ['lossMask', t.lossMask]] as const) {
+    if (arr.length !== T) throw new Error(`trajectory ${key}: ${name} has length ${arr.length}, tokens ${T}`);
+  }
+  const tensors: Record<string, Tensor> = {
+    tokens: { dtype: 'I32', shape: [T], data: Int32Array.from(t.tokens) },
+    logprobs: { dtype: 'F32', shape: [T], data: Float32Array.from(t.logprobs) },
+    versions: { dtype: 'I32', shape: [T], data: Int32Array.from(t.versions) },
+    loss_mask: { dtype: 'U8', shape: [T], data: Uint8Array.from(t.lossMask) },
+  };
+  if (t.routedExperts) {
+    const L = t.routedExperts[0]?.length ?? 0;
+    const K = t.routedExperts[0]?.[0]?.length ?? 0;
+    if (t.routedExperts.length !== T) throw new Error(`trajectory ${key}: routed_experts has ${t.routedExperts.length} rows, tokens ${T}`);
+    tensors.routed_experts = { dtype: 'I16', shape: [T, L, K], data: Int16Array.from(t.routedExperts.flat(2)) };
+  }
+  const metadata = {
+    format: TRAJECTORY_FORMAT, run: meta.run, group: String(meta.group), episode: String(meta.episode),
+    segment: String(meta.segment), reward: String(meta.reward), finish: meta.finish,
+  };
+  writeFileAtomic(path.join(storeRoot, key), encodeSafetensors(tensors, metadata));
+}
+
+export function readTrajectory(storeRoot: string, key: string): { trajectory: Trajectory; meta: TrajectoryMeta } {
+  const { tensors, metadata } = decodeSafetensors(fs.readFileSync(path.join(storeRoot, key)), `trajectory ${key}`);
+  if (metadata.format !== TRAJECTORY_FORMAT) throw new Error(`trajectory ${key}: format ${metadata.format}, expected ${TRAJECTORY_FORMAT}`);
+  for (const name of ['tokens', 'logprobs', 'versions', 'loss_mask']) {
+    if (!tensors[name]) throw new Error(`trajectory ${key}: tensor ${name} is missing`);
+  }
+  const trajectory: Trajectory = {
+    tokens: Array.from(tensors.tokens.data), logprobs: Array.from(tensors.logprobs.data),
+    versions: Array.from(tensors.versions.data), lossMask: Array.from(tensors.loss_mask.data),
+  };
+  const re = tensors.routed_experts;
+  if (re) {
+    const [T, L, K] = re.shape;
+    trajectory.routedExperts = Array.from({ length: T }, (_, t) =>
+      Array.from({ length: L }, (_, l) => Array.from(re.data.subarray((t * L + l) * K, (t * L + l + 1) * K))));
+  }
+  const meta: TrajectoryMeta = {
+    run: metadata.run, group: Number(metadata.group), episode: Number(metadata.episode),
+    segment: Number(metadata.segment), reward: Number(metadata.reward), finish: metadata.finish,
+  };
+  return { trajectory, meta };
+}
