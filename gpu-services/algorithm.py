@@ -1,0 +1,290 @@
+"""The RL algorithm: advantage estimators, importance corrections and policy losses, as pure torch functions.
+
+This is the file a researcher edits. The actor (actor.py) calls, per optimizer step:
+  staleness_mask -> compute_advantages -> (per micro-batch) entropy_from_logits, policy_objective.
+Nothing here touches processes, files or the network.
+
+Shapes: B sequences (episode segments), T padded length, V vocabulary. Masks are bool or float [B,T];
+loss_mask is 1 on the tokens the policy sampled (the only tokens that are trained). All tensors on one device.
+
+Conventions that hold everywhere below:
+  - every per-token output is 0 outside loss_mask;
+  - advantages and importance weights are detached (they are targets and weights, not things to differentiate);
+  - the loss is a GLOBAL token mean: sum over this call's masked tokens / total_tokens, where total_tokens counts
+    the masked tokens of the whole optimizer step on all ranks, so the losses of all micro-batches and ranks add up
+    to the step's token mean (no bias toward short sequences or small micro-batches).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from contract import AlgoConfig
+
+LOG_RATIO_CLAMP = 30.0  # exp(±30) is finite in fp32; keeps one wild token from producing inf/nan
+GRPO_EPS = 1e-9  # (r - mean) / (std + eps), as in the original Molt
+WHITEN_EPS = 1e-8  # (A - mean) / sqrt(var + eps)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def masked_sum(x: Tensor, mask: Tensor) -> Tensor:
+    return (x * mask).sum()
+
+
+def whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """(x - mean) / sqrt(var + 1e-8), mean and (biased) variance over the masked entries only; 0 outside mask."""
+    n = mask.sum().clamp(min=1)
+    mean = masked_sum(x, mask) / n
+    var = masked_sum((x - mean) ** 2, mask) / n
+    return (x - mean) * torch.rsqrt(var + WHITEN_EPS) * mask
+
+
+def group_stats(r: Tensor, group_ids: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-sample statistics of the sample's group. r [B], group_ids [B] -> (sum, mean, std, count) each [B].
+
+    std is the unbiased sample std (Bessel, n-1), as torch.std and the GRPO reference implementations use;
+    a group of one sample has std 0."""
+    _, inverse = torch.unique(group_ids, return_inverse=True)  # [B] -> 0..G-1
+    G = int(inverse.max()) + 1
+    count = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inverse, torch.ones_like(r))
+    total = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inverse, r)
+    mean = total / count
+    sq_dev = torch.zeros(G, dtype=r.dtype, device=r.device).index_add_(0, inverse, (r - mean[inverse]) ** 2)
+    std = (sq_dev / (count - 1).clamp(min=1)).sqrt()
+    return total[inverse], mean[inverse], std[inverse], count[inverse]
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def compute_advantages(algo: AlgoConfig, rewards: Tensor, group_ids: Tensor, loss_mask: Tensor,
+                       logp_minus_ref: Tensor | None = None, teacher_logp: Tensor | None = None,
+                       student_logp: Tensor | None = None) -> Tensor:
+    """Per-token advantages [B,T] (detached, 0 outside loss_mask).
+
+    rewards [B] episode rewards, first clipped to r = clamp(rewards, -algo.reward_clip, +algo.reward_clip);
+    group_ids [B] the prompt group of each sample (samples of the same prompt share it); n = group size.
+    algo.advantage:
+      grpo                a = (r - mean_g) / (std_g + 1e-9)            std_g unbiased (n-1); broadcast to all tokens
+      dr_grpo             a = r - mean_g                               (Dr. GRPO: no std division)
+      rloo                a = r - (sum_g - r) / (n - 1)                leave-one-out baseline; 0 for a group of one
+      reinforce_baseline  A = whiten(r - mean_g)                       whitened over the batch's masked tokens
+      reinforce++         per-token reward  c_t = -kl_coef * logp_minus_ref_t  (+ r on the last action token),
+                          return  G_t = c_t + gamma * G_next  where "next" is the next ACTION token (observation
+                          tokens in between neither earn reward nor discount), then A = whiten(G)
+      on_policy_distill   A_t = -(student_logp_t - teacher_logp_t)    reverse-KL per token, rewards unused;
+                          coefficient 1: the learning rate sets the scale (AlgoConfig has no separate coefficient,
+                          and kl_coef stays the KL-to-reference coefficient of policy_objective)
+    The group-level estimators give every action token of a sample the same advantage.
+    """
+    mask = loss_mask.to(rewards.dtype)  # [B,T]
+    r = rewards.detach().clamp(-algo.reward_clip, algo.reward_clip)  # [B]
+
+    if algo.advantage == "on_policy_distill":
+        if teacher_logp is None or student_logp is None:
+            raise ValueError("advantage 'on_policy_distill' needs teacher_logp and student_logp")
+        return (-(student_logp - teacher_logp)).detach() * mask
+
+    if algo.advantage == "reinforce++":
+        return reinforce_plus_plus_returns(algo, r, mask, logp_minus_ref)
+
+    total, mean, std, count = group_stats(r, group_ids)  # each [B]
+    if algo.advantage == "grpo":
+        a = (r - mean) / (std + GRPO_EPS)
+    elif algo.advantage == "dr_grpo":
+        a = r - mean
+    elif algo.advantage == "rloo":
+        a = torch.where(count > 1, r - (total - r) / (count - 1).clamp(min=1), torch.zeros_like(r))
+    elif algo.advantage == "reinforce_baseline":
+        return whiten((r - mean)[:, None] * mask, mask)
+    else:
+        raise ValueError(f"unknown algo.advantage {algo.advantage!r}")
+    return a[:, None] * mask  # [B,1] * [B,T]
+
+
+def reinforce_plus_plus_returns(algo: AlgoConfig, r: Tensor, mask: Tensor, logp_minus_ref: Tensor | None) -> Tensor:
+    """REINFORCE++: r [B] (clipped), mask [B,T] float, logp_minus_ref [B,T] (log pi - log pi_ref of the sampled
+    tokens; needed when kl_coef > 0). Returns whiten(discounted per-token returns) [B,T]."""
+    B, T = mask.shape
+    if algo.kl_coef > 0 and logp_minus_ref is None:
+        raise ValueError("advantage 'reinforce++' with kl_coef > 0 needs logp_minus_ref (a reference model)")
+    token_reward = torch.zeros_like(mask)  # [B,T]
+    if logp_minus_ref is not None:
+        token_reward = -algo.kl_coef * logp_minus_ref.detach().to(mask.dtype) * mask
+    positions = torch.arange(T, device=mask.device).expand(B, T)
+    last_action = (positions * mask).argmax(dim=1)  # [B] index of the last masked token (0 if none)
+    has_action = mask.sum(dim=1) > 0
+    token_reward[torch.arange(B, device=mask.device), last_action] += r * has_action
+
+    returns = torch.zeros_like(mask)  # [B,T]
+    running = torch.zeros(B, dtype=mask.dtype, device=mask.device)  # G of the next action token
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        running = m * (token_reward[:, t] + algo.gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
+    return whiten(returns, mask)
+
+
+# ----------------------------------------------------------------------------- masks and corrections
+
+def staleness_mask(versions: Tensor, current_version: int, max_staleness: int | None, loss_mask: Tensor) -> Tensor:
+    """versions [B,T] int: the policy version that sampled each token (-1 where not sampled).
+    Keeps loss_mask where current_version - version <= max_staleness; None keeps all. Same dtype as loss_mask."""
+    if max_staleness is None:
+        return loss_mask
+    fresh = (current_version - versions) <= max_staleness  # [B,T] bool
+    return torch.where(fresh, loss_mask, torch.zeros_like(loss_mask))
+
+
+def rollout_correction(algo: AlgoConfig, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Importance weights for the engine/actor mismatch. old_logp, rollout_logp [B,T] (log pi_old, log pi_rollout).
+
+    log rho_t = old_logp_t - rollout_logp_t (detached), then by algo.rollout_correction.level:
+      token  rho_t = exp(log rho_t)
+      seq    rho   = exp(sum_t mask_t log rho_t)                 one weight per sequence, on all its tokens
+      geo    rho   = exp(sum_t mask_t log rho_t / sum_t mask_t)  geometric mean of the token ratios
+      off    weights 1, keep = loss_mask
+    and by .mode, with [low, high] = [.low, .high]:
+      mask   weight rho, but tokens with rho outside [low, high] are dropped (weight 0, keep 0)
+      clip   weight clamp(rho, low, high)
+      trunc  weight min(rho, high)                               (truncated IS, upper cap only)
+    Returns (weights [B,T] to multiply the per-token loss (0 outside keep), keep_mask [B,T] float).
+    """
+    rc = algo.rollout_correction
+    mask = loss_mask.to(old_logp.dtype)
+    if rc.level == "off":
+        return mask.clone(), mask
+    log_rho = torch.where(mask > 0, old_logp - rollout_logp, 0.0).detach()  # [B,T]; where: pads may hold -inf
+    if rc.level == "token":
+        rho = log_rho.exp()
+    elif rc.level == "seq":
+        rho = log_rho.sum(dim=1, keepdim=True).exp().expand_as(mask)
+    elif rc.level == "geo":
+        rho = (log_rho.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp().expand_as(mask)
+    else:
+        raise ValueError(f"unknown rollout_correction.level {rc.level!r}")
+
+    if rc.mode == "mask":
+        keep = mask * ((rho >= rc.low) & (rho <= rc.high))
+        weights = torch.where(keep > 0, rho, torch.zeros_like(rho))  # where, not *: rho may be inf outside
+    elif rc.mode == "clip":
+        keep = mask
+        weights = rho.clamp(rc.low, rc.high) * mask
+    elif rc.mode == "trunc":
+        keep = mask
+        weights = rho.clamp(max=rc.high) * mask
+    else:
+        raise ValueError(f"unknown rollout_correction.mode {rc.mode!r}")
+    return weights, keep
+
+
+# ----------------------------------------------------------------------------- KL and entropy
+
+def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
+    """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence"):
+    d = ref_logp - logp;  k1 = -d;  k2 = 0.5 d^2;  k3 = exp(d) - d - 1 (unbiased and >= 0)."""
+    d = ref_logp - logp
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d ** 2
+    if estimator == "k3":
+        return d.exp() - d - 1
+    raise ValueError(f"unknown kl estimator {estimator!r} (k1, k2, k3)")
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """H = -sum_v p_v log p_v with p = softmax(logits), at least fp32. logits [B,T,V] -> [B,T].
+    Logits of -inf (a masked vocabulary) count as p log p = 0, in value and gradient."""
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)  # [B,T,V]
+    p = logp.exp()
+    return -(p * torch.where(p > 0, logp, 0.0)).sum(dim=-1)
+
+
+# ----------------------------------------------------------------------------- the loss
+
+def clipped_surrogate(algo: AlgoConfig, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+    """PPO: loss = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); with dual_clip c and A < 0 the loss is further
+    capped at -A c (Ye et al., dual-clip PPO). Returns (per-token loss, clipped [B,T] bool: a clip was active)."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = clipped > unclipped
+    if algo.dual_clip is not None:
+        cap = -advantages * algo.dual_clip
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        was_clipped = was_clipped | dual
+    return loss, was_clipped
+
+
+def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor,
+                     loss_mask: Tensor, total_tokens: float, entropy: Tensor | None = None,
+                     ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of one micro-batch. logp [B,T] current policy (requires grad), old_logp [B,T] the actor's logprobs
+    before this step's update, rollout_logp [B,T] the engine's sampling logprobs, advantages [B,T], entropy [B,T]
+    (optional, from entropy_from_logits, carries grad), ref_logp [B,T] (optional reference-model logprobs).
+
+    per-token loss  l_t = w_t * pg_t - entropy_coef * H_t + kl_coef * KL_t       (KL_t only with ref_logp, and not
+                                                                                  for reinforce++: its KL is in the reward)
+    loss            = sum_t keep_t * l_t / total_tokens                          (global token mean, see module doc)
+    (w, keep) = rollout_correction(...). pg by algo.policy_loss, with r_t = exp(clamp(logp_t - old_logp_t, ±30)):
+      ppo    pg_t = clipped_surrogate(r_t, A_t)            max(-A r, -A clip(r)), dual clip for A < 0
+      gspo   s = exp(mean_t (logp_t - old_logp_t)) per sequence (clamped ±30 in log space);
+             token ratio s_t = sg[s] * exp(logp_t - sg[logp_t]) (= s in value, gradient s * dlogp_t: GSPO-token,
+             Zheng et al. 2025, eq. for GSPO-token) and pg_t = clipped_surrogate(s_t, A_t); aggregation is the
+             global token mean here, not the paper's per-sequence mean
+      cispo  pg_t = -sg[clip(r_t, 1-clip_low, 1+clip_high)] * A_t * logp_t   (MiniMax-M1; every token gets gradient)
+    total_tokens counts loss_mask tokens of the whole step; tokens dropped by the rollout correction contribute 0.
+
+    Metrics: detached SUMS over loss_mask tokens (divide the all-rank, all-micro-batch total by total_tokens):
+      pg_loss (sum of keep * w * pg, the policy part of the loss * total_tokens), entropy, kl (KL_t vs ref, 0 without
+      ref_logp), clip_frac (tokens where a clip was active), is_masked (tokens dropped by the rollout correction),
+      ratio (r_t, or s for gspo), rollout_kl (k3 estimate of KL(rollout || old) from the sampled tokens), tokens.
+    """
+    mask = loss_mask.to(logp.dtype)  # [B,T]
+    old_logp, rollout_logp, advantages = old_logp.detach(), rollout_logp.detach(), advantages.detach()
+    weights, keep = rollout_correction(algo, old_logp, rollout_logp, mask)  # [B,T], [B,T]
+    log_ratio = (logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B,T]
+
+    if algo.policy_loss == "ppo":
+        ratio = log_ratio.exp()
+        pg, was_clipped = clipped_surrogate(algo, ratio, advantages)
+    elif algo.policy_loss == "gspo":
+        n = mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B,1]
+        seq_log_ratio = ((logp - old_logp) * mask).sum(dim=1, keepdim=True) / n  # [B,1]
+        seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        ratio = (seq_log_ratio.detach() + logp - logp.detach()).exp()  # [B,T], value s, grad s * dlogp_t
+        pg, was_clipped = clipped_surrogate(algo, ratio, advantages)
+    elif algo.policy_loss == "cispo":
+        ratio = log_ratio.exp()
+        clipped_ratio = ratio.clamp(1 - algo.clip_low, 1 + algo.clip_high).detach()
+        pg = -clipped_ratio * advantages * logp
+        was_clipped = clipped_ratio != ratio.detach()
+    else:
+        raise ValueError(f"unknown algo.policy_loss {algo.policy_loss!r}")
+
+    token_loss = weights * pg  # [B,T]
+    if entropy is not None:
+        token_loss = token_loss - algo.entropy_coef * entropy
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None:
+        kl = kl_estimate(logp, ref_logp.detach(), algo.kl_estimator)
+        if algo.advantage != "reinforce++":
+            token_loss = token_loss + algo.kl_coef * kl
+    elif algo.kl_coef > 0 and algo.advantage != "reinforce++":
+        raise ValueError("kl_coef > 0 needs ref_logp (a reference model)")
+    loss = masked_sum(token_loss, keep) / total_tokens
+
+    with torch.no_grad():
+        metrics = {
+            "pg_loss": masked_sum(weights * pg, keep),
+            "entropy": masked_sum(entropy, mask) if entropy is not None else mask.new_zeros(()),
+            "kl": masked_sum(kl, mask),
+            "clip_frac": masked_sum(was_clipped.to(mask.dtype), mask),
+            "is_masked": (mask - keep).sum(),
+            "ratio": masked_sum(ratio, mask),
+            "rollout_kl": masked_sum(kl_estimate(rollout_logp, old_logp, "k3"), mask),
+            "tokens": mask.sum(),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}
