@@ -75,7 +75,7 @@ export function writeFileAtomic(file: string, data: Buffer | string): void {
   const tmp = `${file}.tmp-${process.pid}-${Math.random().toString(36).slice(2)}`;
   const fd = fs.openSync(tmp, 'w');
   try {
-    fs.writeSync(fd, data);
+    fs.writeFileSync(fd, data);
     fs.fsyncSync(fd);
   } finally {
     fs.closeSync(fd);
