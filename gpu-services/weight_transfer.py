@@ -47,14 +47,14 @@ def _nbytes(spec: TensorSpec) -> int:
 def send_bucket(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> int:
     """Rank 0: pack and broadcast one bucket. Returns the bytes sent."""
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-    group.broadcast([flat], 0).wait()
+    group.broadcast(flat, 0).wait()
     return flat.numel()
 
 
 def recv_bucket(group: dist.ProcessGroup, specs: list[TensorSpec], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank >= 1: receive one bucket and yield its tensors by name."""
     flat = torch.empty(sum(_nbytes(s) for s in specs), dtype=torch.uint8, device=device)
-    group.broadcast([flat], 0).wait()
+    group.broadcast(flat, 0).wait()
     offset = 0
     for s in specs:
         n = _nbytes(s)
