@@ -1,0 +1,360 @@
+"""The `torch` engine backend: continuous batching over a Hugging Face causal LM, on CPU or GPU.
+
+Why not transformers' own continuous-batching manager (`model.init_continuous_batching`)? It batches
+well, but it samples the whole batch with one `torch.multinomial` on one global generator and one
+`do_sample` switch, so there is no per-request seed or greedy/sampled mix; it returns the logprob
+of the softmax before our top-k/top-p; and it knows nothing of weight versions or of recomputing
+a held request's KV after a weight swap. Those are the engine's whole point for RL, so the
+scheduler below is our own, kept small:
+
+  one background thread loops: [reap aborts] -> one batched decode forward over every running
+  sequence (a left-padded KV cache shared by the batch, attention mask, per-sequence position ids)
+  -> one left-padded prefill forward over newly admitted sequences -> sample one token per
+  sequence with its own torch.Generator -> merge the new sequences' KV into the batch -> drop
+  finished ones.
+
+Weights change only under `_model_lock`, which the thread holds for a whole step, so a swap never
+lands mid-forward, and every token records the version it was sampled under. After a swap the
+held sequences' KV is recomputed by a prefill over prompt + tokens so far (unless keep_stale_kv).
+
+The HTTP server (engine.py) talks to this class only through: submit, health, pause, resume, abort,
+receive_weights, load_weights.
+"""
+import asyncio
+import contextlib
+import random
+import threading
+import traceback
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from common import check_model_dir, load_causal_lm
+from contract import GenerateRequest, SamplingParams, TensorSpec, WeightReceiveRequest
+from weight_transfer import open_group, recv_bucket
+
+Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator  # per request: same seed -> same draws, whatever else is in the batch
+    deliver: Callable[[Event], None]  # thread-safe hand-off to the HTTP handler waiting on this request
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    def context(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p remove. scaled [B, V] (already / temperature),
+    top_k [B] (0 = off), top_p [B] (1 = off). Top-p keeps the smallest most-likely set whose mass
+    reaches top_p, measured after top-k (vLLM's order)."""
+    B, V = scaled.shape
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(V, device=scaled.device)[None, :]  # [1, V]
+    k = torch.where(top_k > 0, top_k, V)[:, None]  # [B, 1]
+    drop = rank >= k  # [B, V] in sorted order
+    probs = F.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)  # top_p = 1 must not drop rounding tails
+    return scaled.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+class TorchEngine:
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device, max_batch: int = 64,
+                 keep_stale_kv: bool = False, name: Optional[str] = None):
+        check_model_dir(model_dir)
+        self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
+        self.device = device
+        self.name = name or Path(model_dir).resolve().name
+        self.max_batch = max_batch
+        self.keep_stale_kv = keep_stale_kv
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.max_len = self.model.config.max_position_embeddings  # prompt + output never exceed this
+        self.pad_id = self.model.config.pad_token_id or 0  # masked out; any valid id works
+        self.version = 0
+        self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
+
+        self._model_lock = threading.Lock()  # held for a whole step and for a weight swap
+        self._cv = threading.Condition()  # guards _waiting, _live, _to_abort, _paused; never held across a forward
+        self._waiting: deque[Sequence] = deque()
+        self._live: dict[str, Sequence] = {}  # every unfinished request, by id
+        self._to_abort: set[str] = set()
+        self._paused = False
+        # Owned by the scheduler step (under _model_lock):
+        self._running: list[Sequence] = []  # rows of the batch cache, in order
+        self._stale: list[Sequence] = []  # held sequences whose KV was dropped after a swap; prefilled next
+        self._cache: Optional[DynamicCache] = None  # per layer keys/values [B, heads, L, head_dim], left-padded
+        self._mask: Optional[torch.Tensor] = None  # [B, L] 1 = real token, 0 = left padding
+        threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
+
+    # ------------------------------------------------------------------ the seam used by engine.py
+
+    def health(self) -> dict:
+        with self._cv:
+            running = len(self._live) - len(self._waiting)
+            return {"backend": "torch", "model": self.name, "version": self.version, "paused": self._paused,
+                    "load": {"running": running, "waiting": len(self._waiting)}}
+
+    def submit(self, req: GenerateRequest) -> tuple[str, AsyncIterator[Event]]:
+        """Validate and queue a request (ValueError names the problem); returns its id and its events.
+        Call from the event loop: events are handed over with call_soon_threadsafe."""
+        for what, ids in (("prompt_token_ids", req.prompt_token_ids), ("sampling.stop_token_ids", req.sampling.stop_token_ids)):
+            for i, t in enumerate(ids):
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+        if len(req.prompt_token_ids) >= self.max_len:
+            raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; this model allows at most "
+                             f"{self.max_len - 1} so that one token can be generated (max_position_embeddings {self.max_len})")
+        if req.return_routed_experts:
+            raise ValueError("return_routed_experts is not supported by the torch backend")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        seed = req.sampling.seed if req.sampling.seed is not None else random.SystemRandom().getrandbits(63)
+
+        def deliver(ev: Event) -> None:
+            with contextlib.suppress(RuntimeError):  # the server's loop is already closed (shutdown)
+                loop.call_soon_threadsafe(events.put_nowait, ev)
+
+        seq = Sequence(request_id=req.request_id or uuid.uuid4().hex, prompt=list(req.prompt_token_ids),
+                       sampling=req.sampling, generator=torch.Generator().manual_seed(seed), deliver=deliver)
+        with self._cv:
+            if seq.request_id in self._live:
+                raise ValueError(f"request_id {seq.request_id!r} is already in flight")
+            self._live[seq.request_id] = seq
+            self._waiting.append(seq)
+            self._cv.notify_all()
+
+        async def stream() -> AsyncIterator[Event]:
+            try:
+                while True:
+                    ev = await events.get()
+                    yield ev
+                    if ev["finish_reason"]:
+                        return
+            finally:  # the client went away: stop generating for it
+                if seq.finish_reason is None:
+                    self._request_abort([seq.request_id])
+        return seq.request_id, stream()
+
+    def pause(self, mode: str) -> None:
+        """keep: stop stepping, hold in-flight requests. abort: also end them with 'abort'.
+        Returns once no step is in flight (and the aborted requests have their final events)."""
+        with self._cv:
+            self._paused = True
+            if mode == "abort":
+                self._to_abort |= set(self._live)
+            self._cv.notify_all()
+        self._wait_reaped()
+        with self._model_lock:  # wait for the step in flight, if any
+            pass
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def abort(self, request_ids: Optional[list[str]]) -> list[str]:
+        """End the listed (None: all) requests with 'abort'; returns the ids that were in flight."""
+        with self._cv:
+            ids = [i for i in (request_ids if request_ids is not None else list(self._live)) if i in self._live]
+        self._request_abort(ids)
+        self._wait_reaped()
+        return ids
+
+    def receive_weights(self, req: WeightReceiveRequest) -> int:
+        """Join the actor's one-off group as req.rank and take each broadcast bucket into the model.
+        The scheduler is blocked for the whole transfer, so no forward sees half-updated weights."""
+        for bucket in req.buckets:
+            for spec in bucket:
+                self._check_tensor(spec.name, spec.shape, spec.dtype)
+        with self._model_lock:
+            group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
+            for bucket in req.buckets:
+                for name, tensor in recv_bucket(group, bucket, self.device):
+                    self._state[name].copy_(tensor)
+            self._set_version(req.version)
+        return req.version
+
+    def load_weights(self, path: str, version: int) -> int:
+        """Load an HF safetensors directory (e.g. a checkpoint written by the actor)."""
+        check_model_dir(path)
+        tensors = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        for name, t in tensors.items():
+            self._check_tensor(name, list(t.shape), str(t.dtype).removeprefix("torch."))
+        with self._model_lock:
+            for name, t in tensors.items():
+                self._state[name].copy_(t)
+            self._set_version(version)
+        return version
+
+    # ------------------------------------------------------------------ weights
+
+    def _check_tensor(self, name: str, shape: list[int], dtype: str) -> None:
+        if name not in self._state:
+            raise ValueError(f"tensor {name!r} is not a weight of this model")
+        if list(self._state[name].shape) != list(shape):
+            raise ValueError(f"tensor {name!r} has shape {list(shape)}, the model has {list(self._state[name].shape)}")
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"tensor {name!r} has unknown dtype {dtype!r}")
+
+    def _set_version(self, version: int) -> None:
+        """Under _model_lock, after new weights are in."""
+        self.version = version
+        if not self.keep_stale_kv:  # the held sequences' KV came from the old weights: recompute it
+            self._stale = self._running + self._stale
+            self._running, self._cache, self._mask = [], None, None
+        with self._cv:
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ aborts
+
+    def _request_abort(self, ids: list[str]) -> None:
+        with self._cv:
+            self._to_abort.update(ids)
+            self._cv.notify_all()
+
+    def _wait_reaped(self) -> None:
+        with self._cv:
+            self._cv.wait_for(lambda: not self._to_abort)
+
+    def _reap_aborted(self) -> None:
+        """Under _model_lock: end the requests marked for abort, wherever they are."""
+        with self._cv:  # an RLock: _drop_finished takes it again
+            ids, self._to_abort = self._to_abort, set()
+            for seq in [self._live[i] for i in ids if i in self._live]:
+                seq.finish_reason = "abort"
+                seq.deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
+            self._waiting = deque(s for s in self._waiting if not s.finish_reason)
+            self._stale = [s for s in self._stale if not s.finish_reason]
+            self._drop_finished()
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------ the scheduler
+
+    def _has_work(self) -> bool:
+        return bool(self._to_abort) or (not self._paused and bool(self._waiting or self._running or self._stale))
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(self._has_work)
+            with self._model_lock:
+                self._reap_aborted()
+                with self._cv:
+                    if self._paused:
+                        continue
+                    room = self.max_batch - len(self._running) - len(self._stale)
+                    fresh = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                admitted, self._stale = self._stale + fresh, []
+                try:
+                    with torch.no_grad():
+                        self._step(admitted)
+                except Exception:  # e.g. out of memory: end this batch's requests, keep serving
+                    traceback.print_exc()
+                    self._fail(self._running + admitted)
+
+    def _fail(self, seqs: list[Sequence]) -> None:
+        with self._cv:
+            for seq in seqs:
+                if not seq.finish_reason:
+                    seq.finish_reason = "abort"
+                    seq.deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
+            self._running, self._cache, self._mask = [], None, None
+            self._drop_finished()
+
+    def _step(self, admitted: list[Sequence]) -> None:
+        if self._running:  # decode: feed each running sequence its last sampled token
+            B = len(self._running)
+            input_ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)  # [B, 1]
+            positions = torch.tensor([[len(s.context()) - 1] for s in self._running], device=self.device)  # [B, 1]
+            self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
+            logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
+                                cache=self._cache, use_cache=True).logits[:, -1]  # [B, V]
+            self._sample(self._running, logits)
+        if admitted:  # prefill over prompt + tokens so far (the tokens are there after a weight swap)
+            contexts = [s.context() for s in admitted]
+            L = max(len(c) for c in contexts)
+            input_ids = torch.tensor([[self.pad_id] * (L - len(c)) + c for c in contexts], device=self.device)  # [A, L]
+            mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=self.device)  # [A, L]
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [A, L], 0-based within each sequence
+            cache = DynamicCache(config=self.model.config)
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                                cache=cache, use_cache=True).logits[:, -1]  # [A, V]
+            self._sample(admitted, logits)
+            self._merge(admitted, cache, mask)
+        self._drop_finished()
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """One token per sequence from logits [B, V], with each sequence's own parameters and generator.
+        logprob = log p(token) under the distribution sampled from (after temperature, top-k, top-p).
+        Greedy (temperature 0) takes the argmax and reports its logprob under the plain softmax."""
+        logits = logits.float()
+        params = [s.sampling for s in seqs]
+        greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)  # [B]
+        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)  # [B]
+        top_k = torch.tensor([p.top_k for p in params], device=self.device)  # [B]
+        top_p = torch.tensor([p.top_p for p in params], device=self.device)  # [B]
+        logp = F.log_softmax(filter_logits(logits / temperature[:, None], top_k, top_p), dim=-1)  # [B, V]
+        # inverse-CDF sampling, one uniform per token from the request's own generator
+        u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(self.device)  # [B]
+        cdf = logp.exp().cumsum(dim=-1)  # [B, V]
+        sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [B], never a masked token
+        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
+        logp = torch.where(greedy[:, None], F.log_softmax(logits, dim=-1), logp)
+        logprobs = logp.gather(1, tokens[:, None])[:, 0]  # [B]
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.tokens.append(token)
+            if token in seq.sampling.stop_token_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.context()) >= self.max_len:
+                seq.finish_reason = "length"
+            seq.deliver({"token_ids": [token], "logprobs": [logprob], "versions": [self.version],
+                         "finish_reason": seq.finish_reason})
+
+    def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append freshly prefilled rows to the batch cache, left-padding the shorter side."""
+        if not self._running:
+            self._running, self._cache, self._mask = list(seqs), cache, mask
+            return
+        L = max(self._mask.shape[1], mask.shape[1])
+        pad = lambda t, dim: F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (L - t.shape[dim], 0))  # left-pad along dim
+        for old, new in zip(self._cache.layers, cache.layers):
+            old.keys = torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0)
+            old.values = torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0)
+        self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)], dim=0)
+        self._running += seqs
+
+    def _drop_finished(self) -> None:
+        """Remove finished rows from the batch (and columns that became padding for everyone)."""
+        with self._cv:
+            for seq in [s for s in self._live.values() if s.finish_reason]:
+                del self._live[seq.request_id]
+        if all(not s.finish_reason for s in self._running):
+            return
+        keep = [i for i, s in enumerate(self._running) if not s.finish_reason]
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache, self._mask = None, None
+            return
+        rows = torch.tensor(keep, device=self.device)
+        mask = self._mask[rows]
+        first = int(mask.any(dim=0).nonzero()[0])  # leading columns that are padding in every row
+        self._mask = mask[:, first:]
+        for layer in self._cache.layers:
+            layer.keys = layer.keys[rows, :, first:]
+            layer.values = layer.values[rows, :, first:]

@@ -1,0 +1,249 @@
+"""The torch engine as a real process over real HTTP: logprobs against a teacher-forced forward,
+continuous batching against one-at-a-time decoding, pause/abort, a weight push mid-request, a
+checkpoint load, and bad input."""
+import json
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import GPU, PY, TOKEN, client, engine_server, free_port
+from common import load_causal_lm
+from contract import WeightReceiveRequest
+from weight_transfer import open_group, plan_buckets, send_bucket
+
+torch.set_num_threads(1)
+TOL = 1e-4  # fp32 on CPU
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    with engine_server(tiny_model, tmp_path_factory.mktemp("engine")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return load_causal_lm(str(tiny_model), device=torch.device("cpu"))
+
+
+def perturbed(model, seed: int):
+    """A copy of the model's weights, each moved by a little noise: a stand-in for a training step."""
+    import copy
+    new = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return new
+
+
+@torch.no_grad()
+def expected_logprobs(model, prompt, tokens, temperature=1.0, top_k=0, top_p=1.0) -> list[float]:
+    """Teacher-forced: log p(token) under softmax(filter(logits / T)); greedy reports the plain softmax."""
+    logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()  # [T, V]
+    out = []
+    for row, tok in zip(logits, tokens):
+        if temperature > 0:
+            row = row / temperature
+            if top_k:
+                row = row.masked_fill(row < row.topk(top_k).values[-1], float("-inf"))
+            if top_p < 1:
+                probs, order = F.softmax(row, -1).sort(descending=True)
+                keep = (probs.cumsum(-1) - probs) < top_p  # most likely tokens until their mass reaches top_p
+                row = row.masked_fill(~torch.zeros_like(keep).scatter(0, order, keep), float("-inf"))
+        out.append(F.log_softmax(row, -1)[tok].item())
+    return out
+
+
+def generate(url, prompt, **sampling) -> dict:
+    r = client(url).post("/generate", json={"prompt_token_ids": prompt, "sampling": sampling})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def concurrently(fn, items):
+    with ThreadPoolExecutor(len(items)) as pool:
+        return list(pool.map(fn, items))
+
+
+def max_diff(a, b) -> float:
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+CASES = [  # prompt, sampling
+    ([1, 2, 3], dict(temperature=1.0, seed=1)),
+    (list(range(40, 51)), dict(temperature=0.7, top_k=5, seed=2)),
+    (list(range(100, 120)), dict(temperature=0.0)),
+    ([7, 8, 9, 10, 11, 12], dict(temperature=1.3, top_p=0.9, seed=3)),
+    ([200, 201], dict(temperature=1.0, top_k=20, top_p=0.8, seed=4)),
+]
+
+
+def test_logprobs_match_teacher_forced_forward(engine, model):
+    outs = concurrently(lambda case: generate(engine, case[0], max_tokens=12, **case[1]), CASES)
+    for (prompt, sampling), out in zip(CASES, outs):
+        assert len(out["token_ids"]) == 12 and out["finish_reason"] == "length" and out["versions"] == [0] * 12
+        sampling = {k: v for k, v in sampling.items() if k != "seed"}
+        want = expected_logprobs(model, prompt, out["token_ids"], **sampling)
+        assert max_diff(out["logprobs"], want) < TOL, (sampling, out["logprobs"], want)
+    greedy_prompt, greedy = CASES[2][0], outs[2]["token_ids"]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([greedy_prompt + greedy])).logits[0, len(greedy_prompt) - 1:-1]
+    assert greedy == logits.argmax(-1).tolist()
+
+
+def test_continuous_batching_matches_one_at_a_time(engine):
+    prompts = [list(range(10 + i, 10 + 3 * i + 2)) for i in range(6)]  # different lengths
+    one_by_one = [generate(engine, p, max_tokens=16, seed=10 + i) for i, p in enumerate(prompts)]
+    together = concurrently(lambda ip: generate(engine, ip[1], max_tokens=16, seed=10 + ip[0]), list(enumerate(prompts)))
+    for a, b in zip(one_by_one, together):
+        assert a["token_ids"] == b["token_ids"]
+        assert max_diff(a["logprobs"], b["logprobs"]) < TOL
+    assert len({tuple(o["token_ids"]) for o in one_by_one}) == len(prompts)  # not trivially equal
+
+
+def test_stop_tokens_and_length_limit(engine):
+    greedy = generate(engine, [5, 6, 7], max_tokens=8, temperature=0)["token_ids"]
+    stop = greedy[3]
+    out = generate(engine, [5, 6, 7], max_tokens=8, temperature=0, stop_token_ids=[stop])
+    assert out["finish_reason"] == "stop" and out["token_ids"] == greedy[:greedy.index(stop) + 1]
+    max_len = 1024  # the tiny model's max_position_embeddings
+    out = generate(engine, [65] * (max_len - 3), max_tokens=10, seed=0)
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == 3
+
+
+def test_streaming_equals_non_streaming(engine):
+    body = {"prompt_token_ids": [3, 1, 4, 1, 5], "sampling": {"max_tokens": 10, "seed": 7}}
+    whole = client(engine).post("/generate", json=body).json()
+    with client(engine).stream("POST", "/generate", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line) for line in r.iter_lines() if line]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert [x for c in chunks for x in c["logprobs"]] == whole["logprobs"]
+    assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
+
+
+LONG = {"prompt_token_ids": [1, 2, 3], "stream": True, "sampling": {"max_tokens": 1000, "seed": 5}}
+
+
+def test_abort_and_pause_abort_return_partial_tokens(engine):
+    c = client(engine)
+    for end in (lambda: c.post("/abort", json={"request_ids": ["long-1"]}), lambda: c.post("/pause", json={"mode": "abort"})):
+        with client(engine).stream("POST", "/generate", json={**LONG, "request_id": "long-1"}) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(lines))
+            assert end().status_code == 200
+            chunks = [first] + [json.loads(line) for line in lines if line]
+        tokens = [t for ch in chunks for t in ch["token_ids"]]
+        assert chunks[-1]["finish_reason"] == "abort" and 1 <= len(tokens) < 1000
+    assert c.get("/health").json()["paused"] is True
+    # while paused, new requests wait; they run after resume
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(generate, engine, [9, 9], max_tokens=4, seed=1)
+        while c.get("/health").json()["load"]["waiting"] < 1:
+            time.sleep(0.05)
+        assert not pending.done()
+        assert c.post("/resume").status_code == 200
+        assert len(pending.result()["token_ids"]) == 4
+
+
+def push_weights(url, new_model, version: int, bucket_bytes: int = 64 * 1024) -> dict:
+    """Act as the actor (rank 0): post /weights/receive in a thread and broadcast the buckets."""
+    named = list(new_model.state_dict().items())
+    buckets = plan_buckets(named, bucket_bytes)
+    port = free_port()
+    body = WeightReceiveRequest(master_addr="127.0.0.1", master_port=port, world_size=2, rank=1,
+                                buckets=buckets, version=version).model_dump()
+    reply = {}
+    poster = threading.Thread(target=lambda: reply.update(r=client(url).post("/weights/receive", json=body)))
+    poster.start()
+    group = open_group("127.0.0.1", port, 2, 0, "gloo")
+    tensors = dict(named)
+    for bucket in buckets:
+        send_bucket(group, [tensors[s.name] for s in bucket])
+    poster.join()
+    assert reply["r"].status_code == 200, reply["r"].text
+    return reply["r"].json()
+
+
+@pytest.fixture(scope="module")
+def weights_engine(tiny_model, tmp_path_factory):
+    with engine_server(tiny_model, tmp_path_factory.mktemp("weights-engine")) as url:
+        yield url
+
+
+def test_pause_push_resume_continues_with_new_weights(weights_engine, model):
+    c = client(weights_engine)
+    new_model = perturbed(model, seed=1)
+    with client(weights_engine).stream("POST", "/generate", json={**LONG, "sampling": {"max_tokens": 300, "seed": 5}}) as r:
+        lines = r.iter_lines()
+        chunks = [json.loads(next(lines))]
+        assert c.post("/pause", json={"mode": "keep"}).status_code == 200
+        assert c.get("/health").json()["load"] == {"running": 1, "waiting": 0}  # held, not dropped
+        assert push_weights(weights_engine, new_model, version=1) == {"version": 1}
+        assert c.get("/health").json()["version"] == 1
+        assert c.post("/resume").status_code == 200
+        chunks += [json.loads(line) for line in lines if line]
+    tokens = [t for ch in chunks for t in ch["token_ids"]]
+    logprobs = [x for ch in chunks for x in ch["logprobs"]]
+    versions = [v for ch in chunks for v in ch["versions"]]
+    assert chunks[-1]["finish_reason"] == "length" and len(tokens) == 300
+    n_old = versions.count(0)
+    assert 1 <= n_old < 300 and versions == [0] * n_old + [1] * (300 - n_old)
+    prompt = LONG["prompt_token_ids"]
+    assert max_diff(logprobs[:n_old], expected_logprobs(model, prompt, tokens[:n_old])) < TOL
+    # the held request's KV was recomputed, so the new tokens match a forward with the new weights
+    assert max_diff(logprobs[n_old:], expected_logprobs(new_model, prompt + tokens[:n_old], tokens[n_old:])) < TOL
+
+
+def test_load_weights_from_checkpoint(weights_engine, model, tmp_path):
+    loaded = perturbed(model, seed=2)
+    loaded.save_pretrained(tmp_path / "ckpt")
+    before = generate(weights_engine, [4, 5, 6], max_tokens=8, temperature=0)
+    r = client(weights_engine).post("/weights/load", json={"path": str(tmp_path / "ckpt"), "version": 7})
+    assert r.status_code == 200 and r.json() == {"version": 7}
+    assert client(weights_engine).get("/health").json()["version"] == 7
+    after = generate(weights_engine, [4, 5, 6], max_tokens=8, temperature=0)
+    assert after["versions"] == [7] * 8 and after["logprobs"] != before["logprobs"]
+    assert max_diff(after["logprobs"], expected_logprobs(loaded, [4, 5, 6], after["token_ids"], temperature=0)) < TOL
+
+
+BAD = [  # method, path, body, status, words the error must contain
+    ("post", "/generate", {"prompt_token_ids": "abc"}, 400, "prompt_token_ids"),
+    ("post", "/generate", {"prompt_token_ids": []}, 400, "prompt_token_ids"),
+    ("post", "/generate", {"prompt_token_ids": [1], "sampling": {"temprature": 1}}, 400, "temprature"),
+    ("post", "/generate", {"prompt_token_ids": [1], "sampling": {"top_p": 0}}, 400, "top_p"),
+    ("post", "/generate", {"prompt_token_ids": [1, 259]}, 400, "prompt_token_ids[1] = 259 is outside the vocabulary"),
+    ("post", "/generate", {"prompt_token_ids": [-1]}, 400, "prompt_token_ids[0] = -1"),
+    ("post", "/generate", {"prompt_token_ids": [1], "sampling": {"stop_token_ids": [5000]}}, 400, "stop_token_ids[0]"),
+    ("post", "/generate", {"prompt_token_ids": [1] * 1024}, 400, "prompt has 1024 tokens"),
+    ("post", "/pause", {"mode": "later"}, 400, "mode"),
+    ("post", "/weights/load", {"path": "/no/such/dir", "version": 1}, 400, "/no/such/dir"),
+    ("post", "/weights/receive", {"master_addr": "127.0.0.1", "master_port": 1, "world_size": 2, "rank": 1, "version": 1,
+                                  "buckets": [[{"name": "no.such.weight", "dtype": "float32", "shape": [1]}]]},
+     400, "no.such.weight"),
+]
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(engine):
+    c = client(engine)
+    for method, path, body, status, words in BAD:
+        r = getattr(c, method)(path, json=body)
+        assert r.status_code == status and words in r.json()["error"], (path, body, r.text)
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(f"{engine}/health", headers=headers)
+        assert r.status_code == 401 and "bearer token" in r.json()["error"]
+    assert c.get("/health").json()["version"] == 0
+    assert len(generate(engine, [1, 2], max_tokens=3)["token_ids"]) == 3
+
+
+def test_unknown_model_dir_exits_with_a_clear_message(tmp_path):
+    proc = subprocess.run([PY, str(GPU / "engine.py"), "--model", str(tmp_path / "nope"), "--port", str(free_port()),
+                           "--token", TOKEN], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and f"model dir {str(tmp_path / 'nope')!r} does not exist" in proc.stderr
