@@ -1,0 +1,235 @@
+// The loop's logic on a real Temporal dev server, with activities that act like the real ones
+// but instantly: groups finish when the test releases them (or after a short sleep), trainStep
+// records its calls and can be held.
+import { Context } from '@temporalio/activity';
+import type { WorkflowHandle } from '@temporalio/client';
+import type { TestWorkflowEnvironment } from '@temporalio/testing';
+import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
+import { RecipeConfig } from '../../agents/recipe';
+import { groupDone, groupWorkflowId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
+import { startTemporal, waitFor, withWorkers } from '../helpers/temporal';
+
+let env: TestWorkflowEnvironment;
+beforeAll(async () => { env = await startTemporal(); });
+afterAll(async () => { await env?.teardown(); });
+
+function makeConfig(o: { inflight: number; groups: number; steps: number; every?: number; algo?: object; staleness_mode?: string }): RecipeConfig {
+  return RecipeConfig.parse({
+    name: 'test', agent: 'agent.ts', model: 'tiny', group_size: 2,
+    pool: { inflight: o.inflight }, batch: { groups: o.groups }, train: { steps: o.steps },
+    checkpoint: { every: o.every ?? 100 }, sampling: { max_tokens: 4 }, algo: o.algo ?? {},
+    staleness_mode: o.staleness_mode ?? 'mask',
+  });
+}
+
+// Fake services: `version` is the engines' weight version (set by refit), recorded per group.
+function fakeServices(opts: { hold?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
+  const s = {
+    version: 0,
+    running: new Set<number>(),
+    released: new Set<number>(),
+    results: new Map<number, GroupResult>(),
+    trainCalls: [] as { input: TrainStepInput; attempt: number; workflowRunId: string }[],
+    refits: [] as number[],
+    checkpoints: [] as number[],
+  };
+  const activities = {
+    async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
+      const ctx = Context.current();
+      const g = input.groupIndex;
+      const minVersion = s.version;
+      s.running.add(g);
+      try {
+        if (opts.hold?.(g) ?? false) {
+          while (!s.released.has(g)) { ctx.heartbeat(); await ctx.sleep(20); }
+        } else {
+          await ctx.sleep(opts.rolloutMs ?? 20);
+        }
+      } finally {
+        s.running.delete(g);
+      }
+      const episodes = [...Array(input.config.group_size).keys()];
+      const result: GroupResult = {
+        groupIndex: g, refs: episodes.map((e) => `${input.runId}/g${g}/e${e}`), rewards: episodes.map((e) => (g + e) % 2),
+        failed: 0, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
+      };
+      s.results.set(g, result);
+      return result;
+    },
+    async trainStep(input: TrainStepInput) {
+      const info = Context.current().info;
+      s.trainCalls.push({ input, attempt: info.attempt, workflowRunId: info.workflowExecution?.runId ?? '' });
+      await opts.onTrainStep?.(input, info.attempt);
+      return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.5 } };
+    },
+    async refit(input: { runId: string; version: number }) {
+      s.version = input.version;
+      s.refits.push(input.version);
+      return { version: input.version, seconds: 0, bytes: 0 };
+    },
+    async checkpoint(input: { runId: string; step: number }) {
+      s.checkpoints.push(input.step);
+      return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
+    },
+  };
+  return { s, activities };
+}
+
+const groupsOf = (refs: string[]) => [...new Set(refs.map((r) => Number(/\/g(\d+)\//.exec(r)![1])))];
+const stepBatches = (s: ReturnType<typeof fakeServices>['s']) => s.trainCalls.filter((c) => c.attempt === 1).map((c) => groupsOf(c.input.refs));
+const heldUntilStep = async (open: () => number, step: number) => {
+  while (open() < step) await Context.current().sleep(20);
+};
+
+function start(runId: string, config: RecipeConfig, extra: { continueAsNewAfterSteps?: number } = {}) {
+  return env.client.workflow.start(trainRun, {
+    workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control,
+    args: [{ runId, recipeDir: '/tmp/recipe', config, ...extra }],
+  });
+}
+
+// Releases held groups one at a time; a group's workflow completes only after its signal is in
+// the run's history, so the run receives them in exactly this order.
+async function release(s: ReturnType<typeof fakeServices>['s'], runId: string, groups: number[]) {
+  for (const g of groups) {
+    s.released.add(g);
+    await env.client.workflow.getHandle(groupWorkflowId(runId, g)).result();
+  }
+}
+
+const lowestRunning = (s: ReturnType<typeof fakeServices>['s'], n: number) => [...s.running].sort((a, b) => a - b).slice(0, n);
+
+async function childStatus(runId: string, g: number) {
+  return (await env.client.workflow.getHandle(groupWorkflowId(runId, g)).describe()).status.name;
+}
+
+test('the pool stays full while a step trains; each step trains batch.groups distinct groups in arrival order', async () => {
+  const runId = 'pool';
+  let openSteps = 0;
+  const { s, activities } = fakeServices({ hold: () => true, onTrainStep: (input) => heldUntilStep(() => openSteps, input.step) });
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 4, groups: 2, steps: 3, every: 2 }));
+    const released: number[][] = [];
+    for (let step = 1; step <= 3; step++) {
+      await waitFor('pool full', () => s.running.size === 4);
+      const [a, b] = lowestRunning(s, 2);
+      await release(s, runId, [b, a]); // arrival order differs from index order
+      released.push([b, a]);
+      await waitFor(`step ${step} starts`, () => s.trainCalls.length === step);
+      await waitFor(`pool refilled while step ${step} trains`, () => s.running.size === 4);
+      expect(s.trainCalls.length).toBe(step); // the step is still held
+      openSteps = step;
+    }
+    const summary = await handle.result();
+    expect(summary).toMatchObject({ steps: 3, version: 3, stopped: false, checkpoint: `/ckpt/${runId}/step-3` });
+    expect(stepBatches(s)).toEqual(released);
+    expect(new Set(released.flat()).size).toBe(6);
+    expect(s.refits).toEqual([1, 2, 3]);
+    expect(s.checkpoints).toEqual([2, 3]); // every 2 steps, and at the end
+    // Groups still in flight at the end are cancelled.
+    const leftover = [...Array(10).keys()].filter((g) => !released.flat().includes(g));
+    expect(leftover).toHaveLength(4);
+    for (const g of leftover) await waitFor(`g${g} cancelled`, async () => (await childStatus(runId, g)) === 'CANCELLED');
+  });
+});
+
+test('continue-as-new keeps in-flight groups: groups started before it are delivered to the next run and trained', async () => {
+  const runId = 'can';
+  const { s, activities } = fakeServices({ hold: () => true });
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 3 }), { continueAsNewAfterSteps: 1 });
+    const released: number[][] = [];
+    for (let step = 1; step <= 3; step++) {
+      await waitFor('pool full', () => s.running.size === 3);
+      const batch = lowestRunning(s, 2);
+      await release(s, runId, batch);
+      released.push(batch);
+      await waitFor(`step ${step} trained`, () => s.refits.length === step);
+      if (step < 3) { // release the next batch only after this run has continued as new
+        const trainedBy = s.trainCalls[step - 1].workflowRunId;
+        await waitFor('continue-as-new', async () => (await env.client.workflow.getHandle(runWorkflowId(runId)).describe()).runId !== trainedBy);
+      }
+    }
+    const summary = await handle.result();
+    expect(summary).toMatchObject({ steps: 3, stopped: false });
+    expect(stepBatches(s)).toEqual(released); // no loss, no duplicate
+    expect(new Set(s.trainCalls.map((c) => c.workflowRunId)).size).toBe(3); // each step in its own run
+    // Groups trained in step 2 were started by the first run.
+    for (const g of released[1]) {
+      const child = await env.client.workflow.getHandle(groupWorkflowId(runId, g)).describe();
+      expect(child.parentExecution?.runId).toBe(s.trainCalls[0].workflowRunId);
+      expect(child.parentExecution?.runId).not.toBe(s.trainCalls[1].workflowRunId);
+    }
+  });
+});
+
+test.each([
+  ['drop', { stale: 2, empty: 0 }],
+  ['mask', { stale: 0, empty: 0 }],
+])('staleness mode %s', async (mode, dropped) => {
+  const runId = `stale-${mode}`;
+  const { s, activities } = fakeServices({ hold: () => true });
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 2, algo: { max_staleness: 0 }, staleness_mode: mode }));
+    await waitFor('pool full', () => s.running.size === 3);
+    await release(s, runId, [0, 1]);
+    await waitFor('step 1 refit', () => s.refits.length === 1);
+    // Groups 2 and 3 were sampled at version 0, now 1 behind: stale for max_staleness 0.
+    await release(s, runId, [2, 3]);
+    if (mode === 'drop') { // 2 and 3 are dropped; the groups started after refit 1 are fresh
+      await waitFor('fresh groups running', () => s.running.has(6));
+      await release(s, runId, [5, 6]);
+    }
+    const summary = await handle.result();
+    expect(summary.dropped).toEqual(dropped);
+    expect(stepBatches(s)[1]).toEqual(mode === 'drop' ? [5, 6] : [2, 3]);
+  });
+});
+
+test('a failed trainStep is retried with the same (runId, step); a re-sent group result is not trained twice', async () => {
+  const runId = 'retry';
+  const { s, activities } = fakeServices({
+    rolloutMs: 20,
+    onTrainStep: async (input, attempt) => { if (input.step === 2 && attempt === 1) throw new Error('actor went away'); },
+  });
+  await withWorkers(env, activities, async () => {
+    const handle: WorkflowHandle<typeof trainRun> = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 3 }));
+    await waitFor('step 1', () => s.trainCalls.length >= 1);
+    for (const g of groupsOf(s.trainCalls[0].input.refs)) await handle.signal(groupDone, s.results.get(g)!);
+    const summary = await handle.result();
+    expect(summary.steps).toBe(3);
+    expect(s.trainCalls.map((c) => [c.input.runId, c.input.step, c.attempt])).toEqual([
+      [runId, 1, 1], [runId, 2, 1], [runId, 2, 2], [runId, 3, 1],
+    ]);
+    expect(s.trainCalls[2].input.refs).toEqual(s.trainCalls[1].input.refs);
+    expect(s.refits).toEqual([1, 2, 3]);
+    const trained = stepBatches(s).flat();
+    expect(new Set(trained).size).toBe(trained.length);
+  });
+});
+
+test('cancel stops gracefully: the current step finishes, a checkpoint is taken, in-flight groups are cancelled', async () => {
+  const runId = 'cancel';
+  let stopRequested = false;
+  const { s, activities } = fakeServices({
+    hold: (g) => g >= 4, // groups 0-3 make the first two batches; 4, 5, 6 are in flight when the stop comes
+    onTrainStep: async (input) => { if (input.step === 2) while (!stopRequested) await Context.current().sleep(20); },
+  });
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 50, every: 10 }));
+    await waitFor('step 2 training', () => s.trainCalls.length === 2);
+    await waitFor('pool full', () => s.running.size === 3);
+    await handle.cancel();
+    await waitFor('stopping', async () => (await handle.query(progressQuery)).state === 'stopping');
+    stopRequested = true;
+    const summary = await handle.result();
+    expect(summary).toMatchObject({ steps: 2, stopped: true, checkpoint: `/ckpt/${runId}/step-2` });
+    expect(s.trainCalls.map((c) => c.input.step)).toEqual([1, 2]);
+    expect(s.checkpoints).toEqual([2]);
+    expect((await handle.describe()).status.name).toBe('COMPLETED');
+    expect((await handle.query(progressQuery)).state).toBe('done');
+    expect(stepBatches(s).flat().sort()).toEqual([0, 1, 2, 3]);
+    for (const g of [4, 5, 6]) await waitFor(`g${g} cancelled`, async () => (await childStatus(runId, g)) === 'CANCELLED');
+    await expect(childStatus(runId, 7)).rejects.toThrow(); // no group started after the stop
+  });
+});

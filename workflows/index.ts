@@ -1,0 +1,3 @@
+// The workflows the molt-control worker runs.
+export { trainRun } from './train-run';
+export { promptGroup } from './prompt-group';

@@ -1,0 +1,192 @@
+// The one loop. Keep `pool.inflight` prompt groups generating; whenever `batch.groups` results are
+// ready, train one step on them, push the new weights to the engines, checkpoint now and then, and
+// go on until `train.steps` steps are done. Groups keep generating while a step trains.
+//
+// Durable state is this workflow's own: the pool (groups in flight, results ready, next group
+// index), the step, and the metrics. A finished group reaches the loop as a signal carrying
+// blob references only; continue-as-new carries the pool across, so in-flight groups (child
+// workflows that outlive the run that started them) deliver to the next run.
+import {
+  allHandlersFinished, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
+  getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setHandler, startChild, workflowInfo,
+} from '@temporalio/workflow';
+import type { createActivities } from '../activities';
+import type { GroupResult } from '../activities/types';
+import type { RecipeConfig } from '../agents/recipe';
+import type { promptGroup } from './prompt-group';
+
+export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
+export const runWorkflowId = (runId: string) => `molt-${runId}`;
+export const groupWorkflowId = (runId: string, groupIndex: number) => `molt-${runId}-g${groupIndex}`;
+
+// A prompt group reports its result (it may report twice: only the first counts).
+export const groupDone = defineSignal<[GroupResult]>('groupDone');
+export const progressQuery = defineQuery<Progress>('progress');
+
+export interface Progress {
+  step: number;
+  totalSteps: number;
+  version: number;
+  inflight: number;
+  ready: number;
+  rewardMean: number | null; // mean reward of the last trained batch
+  tokensPerSecond: number; // generated tokens received / elapsed time
+  elapsedSeconds: number;
+  lastMetrics: Record<string, number>;
+  dropped: Dropped;
+  state: 'running' | 'stopping' | 'done';
+}
+export interface Dropped { stale: number; empty: number }
+
+// Everything continue-as-new carries over.
+export interface Carried {
+  step: number; // steps done; the policy version is the last step (0 = initial weights)
+  nextGroupIndex: number;
+  inflight: number[]; // groups started whose result has not arrived
+  ready: GroupResult[]; // results not yet trained, in arrival order
+  dropped: Dropped;
+  tokens: number;
+  startedAt: number; // epoch ms of the first run
+  rewardMean: number | null;
+  lastMetrics: Record<string, number>;
+  checkpoint: { step: number; path: string } | null;
+}
+
+export interface TrainRunInput {
+  runId: string;
+  recipeDir: string;
+  config: RecipeConfig;
+  carried?: Carried;
+  continueAsNewAfterSteps?: number; // test hook: continue as new after this many steps in one run
+}
+
+export interface TrainRunSummary {
+  runId: string;
+  steps: number;
+  version: number;
+  stopped: boolean; // true when cancelled before train.steps
+  checkpoint: string | null;
+  rewardMean: number | null;
+  lastMetrics: Record<string, number>;
+  dropped: Dropped;
+}
+
+type Activities = ReturnType<typeof createActivities>;
+// trainStep is idempotent on (runId, step) at the actor, so it may retry forever.
+const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
+  taskQueue: TASK_QUEUES.actor,
+  startToCloseTimeout: '30 minutes',
+  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
+});
+
+export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
+  const { runId, recipeDir, config } = input;
+  const run: Carried = input.carried ?? {
+    step: 0, nextGroupIndex: 0, inflight: [], ready: [], dropped: { stale: 0, empty: 0 },
+    tokens: 0, startedAt: Date.now(), rewardMean: null, lastMetrics: {}, checkpoint: null,
+  };
+  const inflight = new Set(run.inflight);
+  let state: Progress['state'] = 'running';
+
+  setHandler(groupDone, (result) => {
+    if (!inflight.delete(result.groupIndex)) return; // a re-sent or unknown result
+    run.ready.push(result);
+    run.tokens += result.tokens;
+  });
+  setHandler(progressQuery, (): Progress => {
+    const elapsedSeconds = (Date.now() - run.startedAt) / 1000;
+    return {
+      step: run.step, totalSteps: config.train.steps, version: run.step,
+      inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean,
+      tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
+      lastMetrics: run.lastMetrics, dropped: run.dropped, state,
+    };
+  });
+
+  // Cancel means a graceful stop: the loop sees `stopping`, finishes the step it is in,
+  // checkpoints and stops the children. Hence all the work below runs non-cancellable.
+  CancellationScope.current().cancelRequested.catch(() => { state = 'stopping'; });
+
+  return CancellationScope.nonCancellable(async () => {
+    // The filler: start a group whenever a slot is free. It pauses while a full batch is already
+    // waiting (training is the bottleneck then, and more groups would only be staler).
+    let filling = true;
+    const filler = (async () => {
+      for (;;) {
+        await condition(() => !filling || (inflight.size < config.pool.inflight && run.ready.length < config.batch.groups));
+        if (!filling) return;
+        const groupIndex = run.nextGroupIndex++;
+        inflight.add(groupIndex);
+        await startChild<typeof promptGroup>('promptGroup', {
+          workflowId: groupWorkflowId(runId, groupIndex),
+          taskQueue: TASK_QUEUES.control,
+          args: [{ runId, groupIndex, recipeDir, config }],
+          parentClosePolicy: ParentClosePolicy.ABANDON, // survives continue-as-new
+        });
+      }
+    })();
+    const stopFilling = async () => { filling = false; await filler; };
+
+    let stepsThisRun = 0;
+    while (run.step < config.train.steps && state === 'running') {
+      const batch = await nextBatch();
+      if (batch === null) break; // stopping while waiting: skip the step
+
+      const step = run.step + 1; // step s produces policy version s
+      const result = await trainStep({ runId, step, refs: batch.flatMap((g) => g.refs), algo: config.algo });
+      await refit({ runId, version: step });
+      run.step = step;
+      run.lastMetrics = result.metrics;
+      const rewards = batch.flatMap((g) => g.rewards);
+      run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
+      log.info('step done', { step, rewardMean: run.rewardMean, groups: batch.map((g) => g.groupIndex) });
+      if (step % config.checkpoint.every === 0) await saveCheckpoint();
+
+      stepsThisRun++;
+      const historyFull = workflowInfo().continueAsNewSuggested || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
+      if (historyFull && state === 'running' && run.step < config.train.steps) {
+        await stopFilling();
+        await condition(allHandlersFinished);
+        if (state === 'running') {
+          return continueAsNew<typeof trainRun>({ ...input, carried: { ...run, inflight: [...inflight] } });
+        }
+      }
+    }
+
+    // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
+    await stopFilling();
+    if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint();
+    await Promise.all([...inflight].map((i) =>
+      getExternalWorkflowHandle(groupWorkflowId(runId, i)).cancel().catch(() => undefined))); // may be closed already
+    const stopped = run.step < config.train.steps;
+    state = 'done';
+    return {
+      runId, steps: run.step, version: run.step, stopped, checkpoint: run.checkpoint?.path ?? null,
+      rewardMean: run.rewardMean, lastMetrics: run.lastMetrics, dropped: run.dropped,
+    };
+  });
+
+  // The first `batch.groups` usable results, in arrival order; null when stopping. A group is
+  // dropped when it has no finished episode, or (staleness_mode 'drop') when its oldest token is
+  // more than max_staleness versions behind the current policy. In 'mask' mode the actor masks
+  // the stale tokens instead.
+  async function nextBatch(): Promise<GroupResult[] | null> {
+    const maxStaleness = config.algo.max_staleness;
+    const dropStale = config.staleness_mode === 'drop' && maxStaleness !== null;
+    for (;;) {
+      await condition(() => run.ready.length >= config.batch.groups || state !== 'running');
+      if (state !== 'running') return null;
+      run.ready = run.ready.filter((g) => {
+        if (g.rewards.length === 0) { run.dropped.empty++; return false; }
+        if (dropStale && run.step - g.minVersion > maxStaleness) { run.dropped.stale++; return false; }
+        return true;
+      });
+      if (run.ready.length >= config.batch.groups) return run.ready.splice(0, config.batch.groups);
+    }
+  }
+
+  async function saveCheckpoint(): Promise<void> {
+    const saved = await checkpoint({ runId, step: run.step });
+    run.checkpoint = { step: saved.step, path: saved.path };
+  }
+}
