@@ -1,0 +1,89 @@
+// HTTP to the GPU services (engines, actor): bearer token, JSON, and every body checked with ajv
+// against gpu-services/contract.schema.json (generated from the pydantic models in contract.py),
+// so both ends check the same shapes.
+import * as fs from 'node:fs';
+import * as path from 'node:path';
+import Ajv2020, { type ValidateFunction } from 'ajv/dist/2020';
+import type { AlgoConfig } from '../agents/recipe';
+
+const SCHEMA_FILE = path.resolve(__dirname, '..', 'gpu-services', 'contract.schema.json');
+const schemas = JSON.parse(fs.readFileSync(SCHEMA_FILE, 'utf8')) as Record<string, object>;
+// Each model's schema is self-contained: its `$defs` sit at its own root, so compile them one by one.
+const ajv = new Ajv2020({ strict: false, allErrors: true });
+const validators = new Map<string, ValidateFunction>();
+function validator(model: string): ValidateFunction {
+  let v = validators.get(model);
+  if (!v) {
+    if (!schemas[model]) throw new Error(`${SCHEMA_FILE} has no model ${model}`);
+    validators.set(model, (v = ajv.compile(schemas[model])));
+  }
+  return v;
+}
+
+// The contract bodies this side sends and reads (mirrors of contract.py).
+export interface SamplingParams {
+  max_tokens: number; temperature: number; top_p: number; top_k: number; stop_token_ids: number[]; seed?: number;
+}
+export interface GenerateRequest { prompt_token_ids: number[]; sampling: SamplingParams; request_id?: string; return_routed_experts?: boolean }
+export interface GenerateResponse {
+  request_id: string; token_ids: number[]; logprobs: number[]; versions: number[];
+  finish_reason: 'stop' | 'length' | 'abort'; routed_experts?: number[][][] | null;
+}
+export interface EngineHealth { backend: string; model: string; version: number; paused: boolean; load: { running: number; waiting: number } }
+export interface TrainStepRequest { run_id: string; step: number; store_root: string; trajectories: string[]; algo: AlgoConfig }
+export interface TrainStepResponse { run_id: string; step: number; version: number; replayed: boolean; metrics: Record<string, number> }
+export interface PushWeightsRequest { engines: { url: string }[]; version: number }
+export interface PushWeightsResponse { version: number; bytes: number; seconds: number }
+export interface CheckpointResponse { path: string; step: number; version: number }
+
+// status is the HTTP status, or undefined when the service could not be reached at all.
+export class ServiceError extends Error {
+  constructor(message: string, readonly status?: number) {
+    super(message);
+    this.name = 'ServiceError';
+  }
+}
+
+function check(model: string, body: unknown, what: string, status: number): void {
+  const v = validator(model);
+  if (!v(body)) {
+    const problems = (v.errors ?? []).map((e) => `${e.instancePath || '(body)'} ${e.message}`).join('; ');
+    throw new ServiceError(`${what}: does not match ${model}: ${problems}`, status);
+  }
+}
+
+export interface CallOptions { body?: unknown; request?: string; response?: string; signal?: AbortSignal }
+
+// One call: `request`/`response` name contract models to validate against (omit for bodies the
+// contract does not define, like /pause's reply).
+export async function callService<T>(baseUrl: string, route: string, token: string, opts: CallOptions = {}): Promise<T> {
+  const url = baseUrl.replace(/\/+$/, '') + route;
+  const method = opts.body === undefined ? 'GET' : 'POST';
+  let payload: string | undefined;
+  if (opts.body !== undefined) {
+    payload = JSON.stringify(opts.body);
+    if (opts.request) check(opts.request, JSON.parse(payload), `request to ${url}`, 400); // our bug: never retried
+  }
+  let res: Response;
+  try {
+    res = await fetch(url, {
+      method, body: payload, signal: opts.signal,
+      headers: { authorization: `Bearer ${token}`, ...(payload ? { 'content-type': 'application/json' } : {}) },
+    });
+  } catch (e) {
+    const cause = (e as any)?.cause?.message ?? (e as Error).message;
+    throw new ServiceError(`${method} ${url} failed: ${cause}`);
+  }
+  const text = await res.text();
+  let json: any;
+  try {
+    json = text ? JSON.parse(text) : undefined;
+  } catch {
+    throw new ServiceError(`${method} ${url}: HTTP ${res.status}, body is not JSON: ${text.slice(0, 200)}`, res.status);
+  }
+  if (!res.ok) {
+    throw new ServiceError(`${method} ${url}: HTTP ${res.status}: ${json?.error ?? text.slice(0, 200)}`, res.status);
+  }
+  if (opts.response) check(opts.response, json, `response from ${method} ${url}`, 502);
+  return json as T;
+}

@@ -1,0 +1,119 @@
+// The framework's LLM loop for Env agents: one episode, token-exact.
+//
+// The trajectory is built only from token ids: observations are tokenized once and appended
+// (loss_mask 0, logprob 0, version -1); the engine's sampled ids are appended as returned, with
+// their logprobs and versions (loss_mask 1). Sampled text is decoded only to show the env its
+// action, never re-encoded (invariant 1).
+import type { GenerateRequest, GenerateResponse } from '../activities/gpu-client';
+import type { Trajectory } from '../activities/store';
+import type { Env, EnvTask } from './contract';
+import type { SamplingConfig } from './recipe';
+import type { TextTokenizer } from './tokenizer';
+
+// An error raised by the env itself (reset/step threw or returned nonsense): the episode fails,
+// its group goes on. Any other error (an engine that cannot be reached) fails the activity.
+export class AgentError extends Error {
+  constructor(message: string, options?: { cause?: unknown }) {
+    super(message, options);
+    this.name = 'AgentError';
+  }
+}
+
+// A deterministic 31-bit seed from integers (FNV-1a over their 32-bit words), so the same
+// (run seed, group, episode, turn) always asks the engine for the same random stream.
+export function deriveSeed(...parts: number[]): number {
+  let h = 0x811c9dc5;
+  for (const p of parts) {
+    let x = p | 0;
+    for (let i = 0; i < 4; i++, x >>>= 8) h = Math.imul(h ^ (x & 0xff), 0x01000193);
+  }
+  return (h >>> 0) & 0x7fffffff;
+}
+
+export type EpisodeFinish = 'terminated' | 'truncated' | 'context';
+
+export interface EpisodeInput {
+  env: Env;
+  task: EnvTask;
+  tokenizer: TextTokenizer;
+  generate: (body: GenerateRequest) => Promise<GenerateResponse>; // bound to this episode's session
+  sampling: SamplingConfig;
+  maxContext: number; // most tokens in the whole sequence
+  runSeed: number;
+}
+
+export interface EpisodeResult {
+  trajectory: Trajectory;
+  reward: number; // sum of step rewards
+  finish: EpisodeFinish;
+  turns: number;
+}
+
+async function envCall<T>(what: string, call: () => T | Promise<T>): Promise<T> {
+  try {
+    return await call();
+  } catch (e) {
+    throw new AgentError(`env ${what} threw: ${(e as Error)?.message ?? e}`, { cause: e });
+  }
+}
+
+export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult> {
+  const { env, task, tokenizer, maxContext } = input;
+  const t: Trajectory = { tokens: [], logprobs: [], versions: [], lossMask: [] };
+  const appendObservation = (ids: number[]) => {
+    for (const id of ids) { t.tokens.push(id); t.logprobs.push(0); t.versions.push(-1); t.lossMask.push(0); }
+  };
+
+  const first = await envCall('reset', () => env.reset(task));
+  if (typeof first?.observation !== 'string') throw new AgentError('env reset must return { observation: string }');
+  const bos = tokenizer.config.add_bos_token ? tokenizer.tokenId(String(tokenizer.config.bos_token)) : undefined;
+  appendObservation([...(bos === undefined ? [] : [bos]), ...tokenizer.encode(first.observation)]);
+  if (t.tokens.length === 0) throw new AgentError('env reset returned an empty observation: nothing to generate from');
+  if (t.tokens.length >= maxContext) throw new AgentError(`the first observation is ${t.tokens.length} tokens, max_context is ${maxContext}`);
+
+  let reward = 0;
+  let overrides: Partial<SamplingConfig> = {};
+  for (let turn = 0; ; turn++) {
+    if (t.tokens.length >= maxContext) return { trajectory: t, reward, finish: 'context', turns: turn };
+    const sampling = { ...input.sampling, ...overrides };
+    const action: number[] = [];
+    // An engine aborted mid-turn (pause with mode abort) returns what it sampled so far: keep it
+    // and continue from the accumulated ids (partial rollout).
+    for (let attempt = 0, idleAborts = 0; ; attempt++) {
+      const maxTokens = Math.min(sampling.max_tokens - action.length, maxContext - t.tokens.length);
+      const res = await input.generate({
+        prompt_token_ids: [...t.tokens],
+        sampling: {
+          max_tokens: maxTokens, temperature: sampling.temperature, top_p: sampling.top_p, top_k: sampling.top_k,
+          stop_token_ids: sampling.stop_token_ids,
+          seed: deriveSeed(input.runSeed, task.groupIndex, task.episode, turn, attempt),
+        },
+      });
+      if (res.logprobs.length !== res.token_ids.length || res.versions.length !== res.token_ids.length) {
+        throw new Error(`engine returned ${res.token_ids.length} tokens but ${res.logprobs.length} logprobs and ${res.versions.length} versions`);
+      }
+      res.token_ids.forEach((id, i) => {
+        t.tokens.push(id); t.logprobs.push(res.logprobs[i]); t.versions.push(res.versions[i]); t.lossMask.push(1);
+      });
+      action.push(...res.token_ids);
+      if (res.finish_reason !== 'abort' || action.length >= sampling.max_tokens || t.tokens.length >= maxContext) break;
+      idleAborts = res.token_ids.length ? 0 : idleAborts + 1;
+      if (idleAborts >= 3) throw new Error('engine aborted the request three times without sampling a token');
+    }
+
+    const result = await envCall('step', () => env.step({ text: tokenizer.decode(action), tokenIds: action }));
+    if (typeof result?.reward !== 'number' || !Number.isFinite(result.reward)) {
+      throw new AgentError(`env step must return a finite numeric reward, got ${JSON.stringify(result?.reward)}`);
+    }
+    reward += result.reward;
+    if (result.terminated) return { trajectory: t, reward, finish: 'terminated', turns: turn + 1 };
+    if (result.truncated) return { trajectory: t, reward, finish: 'truncated', turns: turn + 1 };
+    if (result.observation) {
+      const ids = tokenizer.encode(result.observation);
+      // No room for the observation and a reply: the episode ends here.
+      if (t.tokens.length + ids.length >= maxContext) return { trajectory: t, reward, finish: 'context', turns: turn + 1 };
+      appendObservation(ids);
+    }
+    overrides = result.sampling ?? {};
+  }
+}
