@@ -1,5 +1,6 @@
 // The recipe config: one zod schema, checked before anything starts. A recipe is a folder with
 // recipe.json (this schema) and the agent module it names (exports `AgentRunner`).
+import { readFileSync } from 'node:fs';
 import * as path from 'node:path';
 import { z } from 'zod';
 
@@ -70,4 +71,43 @@ export type SamplingConfig = RecipeConfig['sampling'];
 export const REPO_ROOT = path.resolve(__dirname, '..');
 export function resolveModelDir(model: string): string {
   return model === 'tiny' ? path.join(REPO_ROOT, '.molt', 'models', 'tiny') : path.resolve(model);
+}
+
+// Reads <recipeDir>/recipe.json, applies dotted overrides ({"algo.lr": "1e-6"}: values that look
+// like numbers, booleans, null or JSON arrays/objects become those) and checks the result.
+// Throws RecipeError naming the file or the field.
+export class RecipeError extends Error {}
+export function loadRecipe(recipeDir: string, overrides: Record<string, string> = {}): RecipeConfig {
+  const file = path.join(path.resolve(recipeDir), 'recipe.json');
+  let raw: Record<string, unknown>;
+  try {
+    raw = JSON.parse(readFileSync(file, 'utf8'));
+  } catch (err) {
+    throw new RecipeError(`recipe config: ${file}: ${(err as Error).message}`);
+  }
+  for (const [key, value] of Object.entries(overrides)) {
+    const parts = key.split('.');
+    let node = raw;
+    for (const part of parts.slice(0, -1)) {
+      if (typeof node[part] !== 'object' || node[part] === null) node[part] = {};
+      node = node[part] as Record<string, unknown>;
+    }
+    node[parts[parts.length - 1]] = parseOverride(value);
+  }
+  const parsed = RecipeConfig.safeParse(raw);
+  if (!parsed.success) {
+    const issues = parsed.error.issues.map((i) => `${i.path.join('.') || '(root)'}: ${i.message.replace(/^Invalid input: /, '')}`);
+    throw new RecipeError(`recipe config: ${issues.join('; ')}`);
+  }
+  return parsed.data;
+}
+
+function parseOverride(value: string): unknown {
+  if (/^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$/.test(value)) return Number(value);
+  if (value === 'true' || value === 'false') return value === 'true';
+  if (value === 'null') return null;
+  if (/^[[{]/.test(value)) {
+    try { return JSON.parse(value); } catch { /* not JSON: keep the string */ }
+  }
+  return value;
 }

@@ -1,14 +1,14 @@
 // One prompt group: G episodes of the recipe's agent, run by one activity on the rollout queue.
 // The result goes to the run by workflow id, so it reaches whichever run of the chain is current.
 import { ActivityFailure, getExternalWorkflowHandle, isCancellation, log, proxyActivities } from '@temporalio/workflow';
-import type { createActivities } from '../activities';
+import type { Activities } from '../activities';
 import type { GroupResult, RolloutGroupInput } from '../activities/types';
 import { groupDone, runWorkflowId, TASK_QUEUES } from './train-run';
 
 // A lost worker shows as a missed heartbeat; the retry resumes from the heartbeated manifest.
 // Agent errors are counted per episode inside the activity, so an activity failure is
 // infrastructure: retry it until it works, unless it says it never will (non-retryable).
-const { rolloutGroup } = proxyActivities<ReturnType<typeof createActivities>>({
+const { rolloutGroup } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.rollout,
   startToCloseTimeout: '2 hours',
   heartbeatTimeout: '60 seconds',

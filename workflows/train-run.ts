@@ -10,7 +10,7 @@ import {
   allHandlersFinished, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
   getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setHandler, startChild, workflowInfo,
 } from '@temporalio/workflow';
-import type { createActivities } from '../activities';
+import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
 import type { RecipeConfig } from '../agents/recipe';
 import type { promptGroup } from './prompt-group';
@@ -71,11 +71,12 @@ export interface TrainRunSummary {
   dropped: Dropped;
 }
 
-type Activities = ReturnType<typeof createActivities>;
-// trainStep is idempotent on (runId, step) at the actor, so it may retry forever.
+// trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
+// activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
 const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.actor,
   startToCloseTimeout: '30 minutes',
+  heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
 
