@@ -1,0 +1,568 @@
+"""The policy actor: an FSDP2-sharded model that trains on stored trajectories, behind HTTP.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N gpu-services/actor.py \
+        --model DIR --port P --state-dir DIR [--token T] [--dtype bfloat16] [--offload-optimizer] [--ref-model DIR]
+
+Every rank loads the model and shards it (fully_shard on each decoder layer and the root). Rank 0 serves HTTP
+and drives the others: each command is broadcast to all ranks, which execute it together, one at a time.
+
+Exactly-once steps: <state-dir>/steps.jsonl records every applied (run_id, step) with its metrics, appended and
+fsynced after the optimizer step. A repeated step answers the recorded metrics (replayed=true). The log always
+describes the steps inside the current weights: it starts empty (the --model weights hold no steps); a checkpoint
+carries the log of its weights, and /checkpoint/load replaces the log by it, so entries of steps after the
+checkpoint's step are gone: those steps are no longer in the weights and must be trained again.
+
+--offload-optimizer uses FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the CPU, the
+optimizer step there); on a CPU-only machine everything already lives there, so it changes nothing.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+import torch.distributed as dist
+import uvicorn
+from fastapi import HTTPException
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import weight_transfer
+from algorithm import compute_advantages, entropy_from_logits, policy_objective, staleness_mask
+from common import check_model_dir, load_causal_lm, parse_dtype, service_app, token_from_env
+from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, LogprobsRequest,
+                      LogprobsResponse, PushWeightsRequest, PushWeightsResponse, TrainStepRequest, TrainStepResponse,
+                      WeightReceiveRequest)
+from trajectories import Segment, load_segment, pad_right
+
+HEARTBEAT_S = 60  # idle ranks wait for commands inside a collective, which times out (gloo: 30 min) unless fed
+LOGPROBS_MICRO_BATCH_TOKENS = 8192
+
+
+# ----------------------------------------------------------------------------- batching
+
+def plan_micro_batches(lengths: list[int], world_size: int, rank: int, max_tokens: int) -> list[list[int]]:
+    """This rank's micro-batches (lists of row indices). Rows go to the rank with the fewest tokens so far
+    (longest first); a micro-batch holds rows while rows * longest <= max_tokens (a longer row gets its own).
+    Every rank gets the same number of micro-batches, because FSDP's collectives run once per forward:
+    a rank with fewer gets empty ones, which run a dummy forward (row 0) whose loss is multiplied by 0."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    load, rows_of = [0] * world_size, [[] for _ in range(world_size)]
+    for i in order:
+        r = load.index(min(load))
+        rows_of[r].append(i)
+        load[r] += lengths[i]
+
+    def pack(rows):
+        batches = []
+        for i in rows:  # longest first, so batch[0] is the longest of its batch
+            if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_tokens:
+                batches[-1].append(i)
+            else:
+                batches.append([i])
+        return batches
+
+    packed = [pack(rows) for rows in rows_of]
+    count = max(len(b) for b in packed)
+    return packed[rank] + [[] for _ in range(count - len(packed[rank]))]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [b,L,V], tokens [b,L] -> logp [b,L]: logp[:, t] = log p(tokens[t] | tokens < t) from logits[:, t-1];
+    position 0 has no context and gets 0."""
+    logits = logits[:, :-1].float()  # [b,L-1,V]
+    picked = logits.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # [b,L-1]
+    logp = picked - torch.logsumexp(logits, dim=-1)
+    return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+
+
+# ----------------------------------------------------------------------------- the actor (all ranks)
+
+class Actor:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+        self.dtype = parse_dtype(args.dtype)
+        self.model = self.sharded(args.model)
+        self.ref = self.sharded(args.ref_model).requires_grad_(False) if args.ref_model else None
+        # lr, betas and weight decay are set from the request's algo at every step
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
+        self.version, self.last_step, self.run_id = 0, 0, None
+        self.lock = threading.Lock()  # rank 0: one command at a time
+        self.log_path = Path(args.state_dir) / "steps.jsonl"
+        self.step_log: dict[tuple[str, int], dict] = {}
+
+    def sharded(self, path: str):
+        """fp32 master weights; on GPU, --dtype sets the compute dtype (FSDP2 mixed precision, fp32 reductions)."""
+        model = load_causal_lm(path, torch.float32, self.device)
+        mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy() if self.args.offload_optimizer and self.device.type == "cuda" else OffloadPolicy()
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mp_policy=mp, offload_policy=offload)
+        return model
+
+    # --- commands: rank 0 broadcasts (name, args); every rank runs the method; rank 0 uses the result
+
+    def run(self, name: str, *args, **rank0_only):
+        """Rank 0, with self.lock held."""
+        if self.world_size > 1:
+            dist.broadcast_object_list([(name, args)], src=0)
+        return getattr(self, name)(*args, **rank0_only)
+
+    def follow(self):
+        """Ranks > 0: execute commands forever."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, args = box[0]
+            try:
+                getattr(self, name)(*args)
+            except Exception:
+                traceback.print_exc()
+
+    def noop(self):
+        pass
+
+    def heartbeat(self):
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with self.lock:
+                self.run("noop")
+
+    # --- forward passes
+
+    def micro_batch(self, tokens: torch.Tensor, lengths: list[int], rows: list[int]) -> torch.Tensor:
+        """tokens [N,T] -> [b,L] for these rows, L = their longest. Right padding needs no attention mask: with
+        causal attention no real token sees the padding after it."""
+        return tokens[rows or [0], :max(lengths[i] for i in rows or [0])].to(self.device)
+
+    @torch.no_grad()
+    def batch_logprobs(self, model, tokens: torch.Tensor, lengths: list[int], plan: list[list[int]]) -> torch.Tensor:
+        """Logprobs [N,T] of all rows: each rank computes its rows, a sum over ranks fills in the rest."""
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        for rows in plan:
+            x = self.micro_batch(tokens, lengths, rows)
+            logp = token_logprobs(model(input_ids=x).logits, x)
+            if rows:
+                out[rows, :x.shape[1]] = logp
+        if self.world_size > 1:
+            dist.all_reduce(out)
+        return out
+
+    def logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+        tokens = pad_right([torch.tensor(t, dtype=torch.long) for t in token_ids])
+        lengths = [len(t) for t in token_ids]
+        plan = plan_micro_batches(lengths, self.world_size, self.rank, LOGPROBS_MICRO_BATCH_TOKENS)
+        out = self.batch_logprobs(self.model, tokens, lengths, plan).cpu()
+        return [out[i, :n].tolist() for i, n in enumerate(lengths)]
+
+    # --- one optimizer step
+
+    def train_step(self, run_id: str, step: int, algo_json: dict, segments: list[Segment], load_s: float) -> dict:
+        t_start = time.time()
+        algo = AlgoConfig(**algo_json)
+        dev = self.device
+        lengths = [s.tokens.numel() for s in segments]
+        tokens = pad_right([s.tokens for s in segments])  # [N,T]
+        rollout_logp = pad_right([s.rollout_logp for s in segments]).to(dev)  # [N,T]
+        versions = pad_right([s.versions for s in segments], -1).to(dev)  # [N,T]
+        sampled = pad_right([s.loss_mask for s in segments]).to(dev)  # [N,T] 0/1
+        plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
+
+        old_logp = self.batch_logprobs(self.model, tokens, lengths, plan)  # the current weights, before the update
+        ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan) if self.ref is not None else None
+        t_old = time.time()
+
+        mask = staleness_mask(versions, self.version, algo.max_staleness, sampled)  # [N,T] tokens that train
+        staleness = (self.version - versions)[sampled > 0]  # versions behind, per sampled token
+        advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp)  # [N,T]
+        total_tokens = max(mask.sum().item(), 1.0)  # global token mean over all ranks (every rank has the batch)
+
+        for g in self.optimizer.param_groups:
+            g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, torch.Tensor] = {}
+        for rows in plan:
+            x = self.micro_batch(tokens, lengths, rows)  # [b,L]
+            L, idx = x.shape[1], rows or [0]
+            logits = self.model(input_ids=x).logits  # [b,L,V]
+            logp = token_logprobs(logits, x)  # [b,L]
+            entropy = entropy_from_logits(logits[:, :-1])  # [b,L-1]: entropy of the distribution of token t
+            entropy = torch.cat([torch.zeros_like(entropy[:, :1]), entropy], dim=1)
+            if algo.entropy_coef == 0:
+                entropy = entropy.detach()
+            loss, metrics = policy_objective(
+                algo, logp, old_logp[idx, :L], rollout_logp[idx, :L], advantages[idx, :L], mask[idx, :L], total_tokens,
+                entropy=entropy, ref_logp=None if ref_logp is None else ref_logp[idx, :L])
+            # FSDP averages gradients over ranks; the step's loss is the SUM of the ranks' losses, so scale by
+            # world size. A dummy micro-batch (no rows) only keeps the collectives in step: weight 0.
+            weight = float(self.world_size) if rows else 0.0
+            (loss * weight).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0) + v * (1.0 if rows else 0.0)
+        keys = sorted(sums)
+        totals = torch.stack([sums[k].float() for k in keys])
+        if self.world_size > 1:
+            dist.all_reduce(totals)
+        sums = dict(zip(keys, totals.tolist()))
+        t_fb = time.time()
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version, self.last_step, self.run_id = step, step, run_id
+        t_end = time.time()
+
+        trained = sums["tokens"]
+        rewards = torch.tensor(list(episode_rewards(segments).values()))
+        metrics = {
+            "pg_loss": sums["pg_loss"] / total_tokens,
+            "entropy": sums["entropy"] / total_tokens,
+            "kl": sums["kl"] / total_tokens,
+            "clip_frac": sums["clip_frac"] / total_tokens,
+            "is_masked_frac": sums["is_masked"] / total_tokens,
+            "ratio": sums["ratio"] / total_tokens,
+            "rollout_kl": sums["rollout_kl"] / total_tokens,
+            "rollout_logp_max_abs_diff": ((old_logp - rollout_logp).abs() * mask).max().item(),
+            "grad_norm": grad_norm,
+            "optimizer_skipped": float(not math.isfinite(grad_norm)),
+            "stale_masked": (sampled.sum() - mask.sum()).item(),
+            "tokens/trained": trained,
+            "tokens/sampled": sampled.sum().item(),
+            "tokens/total": float(sum(lengths)),
+            "sequences": float(len(segments)),
+            "episodes": float(rewards.numel()),
+            "reward/mean": rewards.mean().item(),
+            "reward/std": rewards.std(correction=0).item(),
+            "lr": algo.lr,
+            "time/load": load_s,
+            "time/old_logprobs": t_old - t_start,
+            "time/forward_backward": t_fb - t_old,
+            "time/optimizer": t_end - t_fb,
+            "time/total": load_s + t_end - t_start,
+        }
+        for value, count in zip(*torch.unique(staleness, return_counts=True)):
+            metrics[f"staleness/{int(value)}"] = float(count)
+        return metrics
+
+    # --- weights out
+
+    def full_state_items(self):
+        """(name, tensor) in state-dict order, names as in the HF state dict (tied weights under both names)."""
+        return list(self.model.state_dict().items())
+
+    def push_weights(self, buckets: list[list[str]], group=None) -> int:
+        """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts it to the engines. A send
+        failure on rank 0 is raised only after the loop, so the other ranks' gathers stay in step."""
+        state = dict(self.full_state_items())
+        sent, failure = 0, None
+        for names in buckets:
+            tensors = [full_tensor(state[n]).to(self.dtype) for n in names]
+            if group is not None and failure is None:
+                try:
+                    sent += weight_transfer.send_bucket(group, tensors)
+                except Exception as e:
+                    failure = e
+        if failure is not None:
+            raise RuntimeError(f"weight broadcast failed: {failure}")
+        return sent
+
+    def save_checkpoint(self, path: str) -> None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors on rank 0 only
+        weights = get_model_state_dict(self.model, options=options)
+        optim = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if self.rank != 0:
+            return
+        final = Path(path)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        tied = tied_output_name(self.model)
+        save_file({k: v.contiguous() for k, v in weights.items() if k != tied}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        self.model.config.save_pretrained(tmp)
+        for f in Path(self.args.model).iterdir():  # tokenizer, chat template, generation config
+            if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and \
+                    f.name not in ("config.json", "optimizer.pt", "trainer_state.json", "steps.jsonl"):
+                shutil.copy2(f, tmp / f.name)
+        torch.save(optim, tmp / "optimizer.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(
+            {"run_id": self.run_id, "step": self.last_step, "version": self.version}))
+        shutil.copy2(self.log_path, tmp / "steps.jsonl")  # so a fresh actor loading this still replays its steps
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def load_checkpoint(self, trainer_state: dict, weights: dict | None = None, optim: dict | None = None) -> None:
+        """All ranks; rank 0 passes the full state read from disk and broadcasts it into every rank's shards."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, weights or {}, options=options)
+        set_optimizer_state_dict(self.model, self.optimizer, optim or {}, options=options)
+        self.run_id, self.last_step, self.version = trainer_state["run_id"], trainer_state["step"], trainer_state["version"]
+
+    # --- the step log (rank 0)
+
+    def set_log(self, entries: list[dict]) -> None:
+        """Replace the step log (atomically) by entries: those of the steps inside the current weights."""
+        tmp = self.log_path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(e) + "\n" for e in entries)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.rename(self.log_path)
+        self.step_log = {(e["run_id"], e["step"]): e for e in entries}
+
+    def append_log(self, entry: dict) -> None:
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.step_log[(entry["run_id"], entry["step"])] = entry
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def tied_output_name(model) -> str | None:
+    """The output embedding's weight name when it is tied to the input embedding (saved once, under the input's name)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    out = model.get_output_embeddings()
+    return next((f"{n}.weight" for n, m in model.named_modules() if m is out), None)
+
+
+def input_embedding_name(model) -> str:
+    emb = model.get_input_embeddings()
+    return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
+
+
+def episode_rewards(segments: list[Segment]) -> dict[tuple[int, int], float]:
+    return {(s.group, s.episode): s.reward for s in segments}
+
+
+def episode_advantages(algo: AlgoConfig, segments: list[Segment], mask: torch.Tensor, old_logp: torch.Tensor,
+                       ref_logp: torch.Tensor | None) -> torch.Tensor:
+    """Advantages [N,T] per segment row, computed over episodes: the segments of one episode (group, episode) are
+    joined in segment order into one row, so an episode is one sample of its group (counted once) and returns
+    flow across its segments; the result is split back into segment rows."""
+    episodes: dict[tuple[int, int], list[int]] = {}
+    for i in sorted(range(len(segments)), key=lambda i: segments[i].segment):
+        episodes.setdefault((segments[i].group, segments[i].episode), []).append(i)
+    keys = list(episodes)
+    lengths = [segments[i].tokens.numel() for i in range(len(segments))]
+
+    def joined(x: torch.Tensor) -> torch.Tensor:  # [N,T] segment rows -> [E, T_episode] episode rows
+        return pad_right([torch.cat([x[i, :lengths[i]] for i in episodes[k]]) for k in keys])
+
+    rewards = torch.tensor([segments[episodes[k][0]].reward for k in keys], dtype=torch.float32, device=mask.device)
+    group_ids = torch.tensor([k[0] for k in keys], dtype=torch.long, device=mask.device)
+    if ref_logp is None:
+        extra = {}
+    elif algo.advantage == "on_policy_distill":
+        extra = dict(teacher_logp=joined(ref_logp), student_logp=joined(old_logp))
+    else:
+        extra = dict(logp_minus_ref=joined(old_logp - ref_logp))
+    adv = compute_advantages(algo, rewards, group_ids, joined(mask), **extra)  # [E, T_episode]
+    out = torch.zeros_like(mask)
+    for e, k in enumerate(keys):
+        offset = 0
+        for i in episodes[k]:
+            out[i, :lengths[i]] = adv[e, offset:offset + lengths[i]]
+            offset += lengths[i]
+    return out
+
+
+# ----------------------------------------------------------------------------- HTTP (rank 0)
+
+def build_app(actor: Actor, token: str | None):
+    app = service_app("molt-actor", token)
+    args = actor.args
+
+    @app.get("/health")
+    def health() -> ActorHealth:
+        return ActorHealth(version=actor.version, last_step=actor.last_step, run_id=actor.run_id,
+                           world_size=actor.world_size, model=args.model)
+
+    @app.post("/train_step")
+    def train_step(req: TrainStepRequest) -> TrainStepResponse:
+        with actor.lock:
+            done = actor.step_log.get((req.run_id, req.step))
+            if done is not None:
+                return TrainStepResponse(run_id=req.run_id, step=req.step, version=done["version"], replayed=True,
+                                         metrics=done["metrics"])
+            if req.step != actor.last_step + 1 or (actor.last_step > 0 and req.run_id != actor.run_id):
+                raise HTTPException(409, f"step {req.step} of run {req.run_id!r} is neither applied nor next: the actor "
+                                         f"holds step {actor.last_step} of run {actor.run_id!r} and can only apply "
+                                         f"step {actor.last_step + 1} of that run")
+            algo = req.algo
+            if actor.ref is None and (algo.kl_coef > 0 or algo.advantage == "on_policy_distill"):
+                raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
+                                         f"reference model: start the actor with --ref-model")
+            t0 = time.time()
+            try:
+                segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
+            except ValueError as e:
+                raise HTTPException(400, str(e))
+            metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
+            actor.append_log({"run_id": req.run_id, "step": req.step, "version": actor.version, "metrics": metrics})
+            return TrainStepResponse(run_id=req.run_id, step=req.step, version=actor.version, replayed=False,
+                                     metrics=metrics)
+
+    @app.post("/logprobs")
+    def logprobs(req: LogprobsRequest) -> LogprobsResponse:
+        vocab = actor.model.config.vocab_size
+        for i, ids in enumerate(req.token_ids):
+            if not ids or min(ids) < 0 or max(ids) >= vocab:
+                raise HTTPException(400, f"token_ids[{i}] must be non-empty ids in [0, {vocab})")
+        with actor.lock:
+            return LogprobsResponse(logprobs=actor.run("logprobs", req.token_ids))
+
+    @app.post("/push_weights")
+    def push_weights(req: PushWeightsRequest) -> PushWeightsResponse:
+        with actor.lock:
+            t0 = time.time()
+            items = actor.full_state_items()  # DTensors: shapes are the full shapes
+            specs = weight_transfer.plan_buckets(
+                ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta")) for n, t in items), req.bucket_bytes)
+            backend = "nccl" if actor.device.type == "cuda" else "gloo"
+            port = free_port()
+            world = 1 + len(req.engines)
+
+            def receive(i: int, url: str) -> int:
+                body = WeightReceiveRequest(master_addr=args.advertise_host, master_port=port, world_size=world,
+                                            rank=i + 1, backend=backend, buckets=specs, version=req.version)
+                r = httpx.post(f"{url.rstrip('/')}/weights/receive", json=body.model_dump(), timeout=None,
+                               headers={"Authorization": f"Bearer {token}"} if token else {})
+                if r.status_code != 200:
+                    raise RuntimeError(f"engine {url} answered {r.status_code}: {r.text[:500]}")
+                return r.json()["version"]
+
+            pool = ThreadPoolExecutor(len(req.engines))
+            answers = [pool.submit(receive, i, e.url) for i, e in enumerate(req.engines)]
+            try:
+                group = weight_transfer.open_group("0.0.0.0", port, world, 0, backend)
+            except Exception as e:
+                errors = [str(a.exception()) for a in answers if a.done() and a.exception()]
+                raise HTTPException(502, f"engines did not join the weight transfer group: {errors or e}")
+            finally:
+                pool.shutdown(wait=False)
+            try:
+                sent = actor.run("push_weights", [[s.name for s in b] for b in specs], group=group)
+                versions = [a.result() for a in answers]
+            except Exception as e:
+                raise HTTPException(502, f"weight push failed: {e}")
+            if any(v != req.version for v in versions):
+                raise HTTPException(502, f"engines answered versions {versions}, expected {req.version}")
+            return PushWeightsResponse(version=req.version, bytes=sent, seconds=time.time() - t0)
+
+    @app.post("/checkpoint/save")
+    def checkpoint_save(req: CheckpointRequest) -> CheckpointResponse:
+        with actor.lock:
+            actor.run("save_checkpoint", req.path)
+            return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
+
+    @app.post("/checkpoint/load")
+    def checkpoint_load(req: CheckpointRequest) -> CheckpointResponse:
+        with actor.lock:
+            try:
+                    trainer_state, weights, optim, log = read_checkpoint(actor, req.path)
+            except ValueError as e:
+                raise HTTPException(400, str(e))
+            actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim)
+            actor.set_log(log)
+            return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
+
+    return app
+
+
+def read_checkpoint(actor: Actor, path: str) -> tuple[dict, dict, dict, list[dict]]:
+    """Rank 0: trainer state, full weights, optimizer state and step log of a checkpoint dir, checked against the
+    model. The log keeps the checkpoint's run and steps <= its step: later steps are not in these weights."""
+    p = Path(path)
+    try:
+        check_model_dir(path)
+        trainer_state = json.loads((p / "trainer_state.json").read_text())
+        weights = {}
+        for f in sorted(p.glob("*.safetensors")):
+            weights.update(load_file(str(f)))
+        optim = torch.load(p / "optimizer.pt", weights_only=True)
+        log = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {path!r} is not loadable: {e}") from None
+    tied = tied_output_name(actor.model)
+    if tied is not None:
+        weights.setdefault(tied, weights[input_embedding_name(actor.model)])
+    expected = {n: tuple(t.shape) for n, t in actor.full_state_items()}
+    got = {n: tuple(t.shape) for n, t in weights.items()}
+    if got != expected:
+        diff = sorted(set(got.items()) ^ set(expected.items()))[:5]
+        raise ValueError(f"checkpoint {path!r} does not fit the model: differing (name, shape) e.g. {diff}")
+    log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
+    return trainer_state, weights, optim, log
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--token", default=token_from_env())
+    p.add_argument("--state-dir", required=True)
+    p.add_argument("--dtype", default="float32", help="compute dtype (bfloat16 on GPU); master weights are fp32")
+    p.add_argument("--offload-optimizer", action="store_true")
+    p.add_argument("--ref-model", default=None, help="frozen reference for KL terms (e.g. the initial model)")
+    p.add_argument("--advertise-host", default=None, help="address engines use to reach this host (weight push)")
+    args = p.parse_args()
+    if args.advertise_host is None:
+        args.advertise_host = args.host if args.host not in ("0.0.0.0", "::") else socket.getfqdn()
+    try:
+        for path in [args.model] + ([args.ref_model] if args.ref_model else []):
+            check_model_dir(path)
+        parse_dtype(args.dtype)
+    except ValueError as e:
+        sys.exit(f"actor: {e}")
+    Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+
+    actor = Actor(args)
+    if actor.rank != 0:
+        actor.follow()
+        return
+    actor.set_log([])  # the weights of --model hold no steps
+    threading.Thread(target=actor.heartbeat, daemon=True).start()
+    uvicorn.run(build_app(actor, args.token), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Reading trajectory files from the store (written by the TypeScript rollout worker).
+
+One safetensors file per episode segment:
+  tensors  tokens int32 [T] (prompt, sampled and observation tokens), logprobs float32 [T] (rollout logprob,
+           0 where not sampled), versions int32 [T] (-1 where not sampled), loss_mask uint8 [T] (1 = sampled,
+           trained), optional routed_experts int16 [T, layers, top_k]
+  metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings)
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+FORMAT = "molt-trajectory-v1"
+
+
+@dataclass
+class Segment:
+    ref: str
+    tokens: torch.Tensor  # long [T]
+    rollout_logp: torch.Tensor  # float32 [T]
+    versions: torch.Tensor  # long [T]
+    loss_mask: torch.Tensor  # float32 [T], 0/1
+    group: int
+    episode: int
+    segment: int
+    reward: float
+
+
+def load_segment(store_root: str, ref: str) -> Segment:
+    """Load and check one file; any problem is a ValueError naming the ref."""
+    path = Path(store_root) / ref
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # missing, truncated, not safetensors
+        raise ValueError(f"trajectory {ref!r} ({path}) is unreadable: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"trajectory {ref!r}: metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
+    expected = {"tokens": torch.int32, "logprobs": torch.float32, "versions": torch.int32, "loss_mask": torch.uint8}
+    for name, dtype in expected.items():
+        t = tensors.get(name)
+        if t is None or t.dtype != dtype or t.dim() != 1:
+            raise ValueError(f"trajectory {ref!r}: tensor {name!r} must be {dtype} [T], got "
+                             f"{None if t is None else (t.dtype, list(t.shape))}")
+    T = tensors["tokens"].numel()
+    if T < 2 or any(tensors[n].numel() != T for n in expected):
+        raise ValueError(f"trajectory {ref!r}: tokens, logprobs, versions, loss_mask must have one equal length >= 2")
+    if tensors["loss_mask"][0]:
+        raise ValueError(f"trajectory {ref!r}: loss_mask[0] is set, but the first token has no context to predict it")
+    try:
+        group, episode, segment, reward = int(meta["group"]), int(meta["episode"]), int(meta["segment"]), float(meta["reward"])
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"trajectory {ref!r}: metadata needs integer group/episode/segment and float reward: {e}") from None
+    return Segment(ref=ref, tokens=tensors["tokens"].long(), rollout_logp=tensors["logprobs"],
+                   versions=tensors["versions"].long(), loss_mask=tensors["loss_mask"].float(),
+                   group=group, episode=episode, segment=segment, reward=reward)
+
+
+def pad_right(rows: list[torch.Tensor], value=0) -> torch.Tensor:
+    """[N] tensors of lengths T_i -> [N, max T_i], padded at the end."""
+    out = torch.full((len(rows), max(r.numel() for r in rows)), value, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, :r.numel()] = r
+    return out

@@ -1,0 +1,224 @@
+"""The actor as real processes (torchrun, gloo, world sizes 1 and 2) training on trajectories sampled by a real
+engine: forward consistency with the engine before and after a weight push, world size 1 == world size 2,
+exactly-once steps, checkpoint round trip into a fresh process, bad input."""
+import subprocess
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import GPU, PY, TOKEN, actor_server, client, engine_server
+
+torch.set_num_threads(1)
+ENGINE_TOL = 1e-4  # actor vs engine logprobs, fp32 on CPU
+RANKS_TOL = 1e-5  # world size 1 vs 2 after one step
+RUN = "run-a"
+# lr large enough that one step moves logprobs far beyond the tolerances; small micro-batches so that the ranks
+# run several, and a rank with fewer rows runs dummy ones
+ALGO = {"lr": 1e-3, "micro_batch_tokens": 32}
+
+
+def generate(engine: httpx.Client, prompt: list[int], seed: int) -> dict:
+    r = engine.post("/generate", json={"prompt_token_ids": prompt,
+                                       "sampling": {"max_tokens": 6, "temperature": 1.0, "seed": seed}})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def write_segment(path, prompt: list[int], out: dict, group: int, episode: int, segment: int, reward: float):
+    n, m = len(prompt), len(out["token_ids"])
+    save_file({"tokens": torch.tensor(prompt + out["token_ids"], dtype=torch.int32),
+               "logprobs": torch.tensor([0.0] * n + out["logprobs"], dtype=torch.float32),
+               "versions": torch.tensor([-1] * n + out["versions"], dtype=torch.int32),
+               "loss_mask": torch.tensor([0] * n + [1] * m, dtype=torch.uint8)},
+              str(path), metadata={"format": "molt-trajectory-v1", "run": RUN, "group": str(group),
+                                   "episode": str(episode), "segment": str(segment), "reward": str(reward),
+                                   "finish": out["finish_reason"]})
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, tmp_path_factory):
+    with engine_server(tiny_model, tmp_path_factory.mktemp("engine")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def store(engine, tmp_path_factory) -> tuple[str, list[str]]:
+    """2 groups x 2 episodes sampled by the engine at version 0; episode (0, 0) has two segments (the second
+    one starts over from a new context, as after a compaction)."""
+    root = tmp_path_factory.mktemp("store")
+    (root / RUN).mkdir()
+    rewards = {(0, 0): 1.0, (0, 1): 0.0, (1, 0): 0.25, (1, 1): 0.75}
+    refs = []
+    with client(engine) as c:
+        for (group, episode), reward in rewards.items():
+            prompt = list(b"copy ") + [97 + group, 98 + episode, ord(">")]
+            segments = [prompt, list(b"again:")] if (group, episode) == (0, 0) else [prompt]
+            for segment, context in enumerate(segments):
+                ref = f"{RUN}/g{group}-e{episode}-s{segment}.safetensors"
+                write_segment(root / ref, context, generate(c, context, seed=10 * group + episode + segment),
+                              group, episode, segment, reward)
+                refs.append(ref)
+    return str(root), refs
+
+
+def load_rows(store) -> list[dict]:
+    from safetensors.torch import load_file
+    root, refs = store
+    return [load_file(f"{root}/{ref}") for ref in refs]
+
+
+def actor_logprobs(url: str, rows: list[dict]) -> torch.Tensor:
+    """Concatenated actor logprobs of all trajectory tokens."""
+    with client(url) as c:
+        r = c.post("/logprobs", json={"token_ids": [row["tokens"].tolist() for row in rows]})
+    assert r.status_code == 200, r.text
+    return torch.cat([torch.tensor(lp) for lp in r.json()["logprobs"]])
+
+
+def train(url: str, store, step: int, run_id: str = RUN, **algo) -> httpx.Response:
+    root, refs = store
+    with client(url) as c:
+        return c.post("/train_step", json={"run_id": run_id, "step": step, "store_root": root, "trajectories": refs,
+                                           "algo": {**ALGO, **algo}})
+
+
+@pytest.fixture(scope="module")
+def actor2(tiny_model, tmp_path_factory):
+    with actor_server(tiny_model, tmp_path_factory.mktemp("actor2"), 2) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def actor1(tiny_model, tmp_path_factory):
+    with actor_server(tiny_model, tmp_path_factory.mktemp("actor1"), 1) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def stepped2(actor2, store):
+    """Actor (world size 2) logprobs of the trajectories before and after training step 1, and the response."""
+    rows = load_rows(store)
+    before = actor_logprobs(actor2, rows)
+    r = train(actor2, store, 1)
+    assert r.status_code == 200, r.text
+    return before, actor_logprobs(actor2, rows), r.json()
+
+
+@pytest.fixture(scope="module")
+def stepped1(actor1, store):
+    r = train(actor1, store, 1)
+    assert r.status_code == 200, r.text
+    return actor_logprobs(actor1, load_rows(store)), r.json()
+
+
+def test_actor_matches_engine_before_and_after_push(engine, store, actor2, stepped2):
+    rows = load_rows(store)
+    mask = torch.cat([row["loss_mask"] for row in rows]).bool()
+    rollout = torch.cat([row["logprobs"] for row in rows])
+    before, after, resp = stepped2
+    # version 0: the engine sampled these tokens with the logprobs the actor computes
+    assert (before[mask] - rollout[mask]).abs().max() < ENGINE_TOL
+    assert resp["version"] == 1 and not resp["replayed"]
+    m = resp["metrics"]
+    assert m["rollout_logp_max_abs_diff"] < ENGINE_TOL
+    assert m["tokens/trained"] == m["tokens/sampled"] == m["staleness/0"] == mask.sum().item()
+    assert m["sequences"] == len(rows) == 5 and m["episodes"] == 4  # the two-segment episode counts once
+    assert m["reward/mean"] == pytest.approx(0.5)
+    assert m["grad_norm"] > 0 and m["entropy"] > 0
+    assert (after - before).abs().max() > 100 * ENGINE_TOL  # the step changed the policy
+
+    with client(actor2) as c:
+        r = c.post("/push_weights", json={"engines": [{"url": engine}], "version": 1, "bucket_bytes": 100_000})
+        assert r.status_code == 200, r.text
+        assert r.json()["version"] == 1 and r.json()["bytes"] > 0
+    with client(engine) as c:
+        assert c.get("/health").json()["version"] == 1
+        prompt = list(b"copy ab>")
+        out = generate(c, prompt, seed=7)
+    assert set(out["versions"]) == {1}
+    logp = actor_logprobs(actor2, [{"tokens": torch.tensor(prompt + out["token_ids"])}])[len(prompt):]
+    assert (logp - torch.tensor(out["logprobs"])).abs().max() < ENGINE_TOL
+
+
+def test_world_sizes_1_and_2_take_the_same_step(stepped1, stepped2):
+    before, after2, resp2 = stepped2
+    after1, resp1 = stepped1
+    assert (after1 - after2).abs().max() < RANKS_TOL
+    assert (after1 - before).abs().max() > 100 * RANKS_TOL
+    for key in ("pg_loss", "entropy", "grad_norm", "tokens/trained", "clip_frac"):
+        assert resp1["metrics"][key] == pytest.approx(resp2["metrics"][key], rel=1e-4, abs=1e-6), key
+
+
+def test_repeated_step_is_a_no_op_and_a_skipped_step_conflicts(actor1, store, stepped1):
+    after1, resp1 = stepped1
+    r = train(actor1, store, 1)
+    assert r.status_code == 200 and r.json()["replayed"] and r.json()["metrics"] == resp1["metrics"]
+    assert torch.equal(actor_logprobs(actor1, load_rows(store)), after1)
+    for step, run_id in [(3, RUN), (2, "other-run")]:
+        r = train(actor1, store, step, run_id)
+        assert r.status_code == 409 and "step 1 of run 'run-a'" in r.json()["error"]
+    with client(actor1) as c:
+        assert c.get("/health").json()["last_step"] == 1
+
+
+def test_stale_tokens_are_masked(actor1, store, stepped1):
+    # the tokens were sampled at version 0 and the actor is at version 1: max_staleness 0 masks them all
+    r = train(actor1, store, 2, max_staleness=0)
+    assert r.status_code == 200, r.text
+    m = r.json()["metrics"]
+    assert m["tokens/trained"] == 0 and m["stale_masked"] == m["tokens/sampled"] == m["staleness/1"] > 0
+
+
+def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_model, tmp_path):
+    rows = load_rows(store)
+    with client(actor1) as c:
+        health = c.get("/health").json()
+        r = c.post("/checkpoint/save", json={"path": str(tmp_path / "ckpt")})
+        assert r.status_code == 200, r.text
+        assert r.json()["step"] == health["last_step"] >= 1
+    (tmp_path / "fresh").mkdir()
+    with actor_server(tiny_model, tmp_path / "fresh", 2) as fresh, client(fresh) as c:
+        r = c.post("/checkpoint/load", json={"path": str(tmp_path / "ckpt")})
+        assert r.status_code == 200, r.text
+        assert {k: v for k, v in c.get("/health").json().items() if k != "world_size"} == \
+               {k: v for k, v in health.items() if k != "world_size"}
+        assert (actor_logprobs(fresh, rows) - actor_logprobs(actor1, rows)).abs().max() < RANKS_TOL
+        # the step log travelled with the checkpoint: its steps replay, not retrain
+        assert train(fresh, store, 1).json()["replayed"]
+        # optimizer state travelled too: the next step (Adam moments) agrees
+        next_step = health["last_step"] + 1
+        assert train(fresh, store, next_step).status_code == 200
+        assert train(actor1, store, next_step).status_code == 200
+        assert (actor_logprobs(fresh, rows) - actor_logprobs(actor1, rows)).abs().max() < RANKS_TOL
+        r = c.post("/checkpoint/load", json={"path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and "missing" in r.json()["error"]
+
+
+def test_bad_requests_get_clear_errors_and_the_actor_keeps_serving(actor1, store, tmp_path):
+    root, refs = store
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    body = {"run_id": RUN, "step": 99, "store_root": root, "trajectories": refs}
+    with client(actor1) as c:
+        r = c.post("/train_step", json={**body, "learning_rate": 1})
+        assert r.status_code == 400 and "learning_rate" in r.json()["error"]
+        last = c.get("/health").json()["last_step"]
+        body["step"] = last + 1
+        r = c.post("/train_step", json={**body, "trajectories": refs + ["run-a/nope.safetensors"]})
+        assert r.status_code == 400 and "run-a/nope.safetensors" in r.json()["error"]
+        r = c.post("/train_step", json={**body, "store_root": str(tmp_path), "trajectories": ["bad.safetensors"]})
+        assert r.status_code == 400 and "bad.safetensors" in r.json()["error"]
+        r = c.post("/train_step", json={**body, "algo": {"kl_coef": 0.1}})
+        assert r.status_code == 400 and "--ref-model" in r.json()["error"]
+        r = c.post("/logprobs", json={"token_ids": [[1, 100000]]})
+        assert r.status_code == 400 and "token_ids[0]" in r.json()["error"]
+        assert c.get("/health").json()["last_step"] == last
+    r = httpx.get(f"{actor1}/health", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401 and "token" in r.json()["error"]
+
+
+def test_unknown_model_dir_is_a_clear_error(tmp_path):
+    out = subprocess.run([PY, str(GPU / "actor.py"), "--model", str(tmp_path / "no-model"), "--port", "1",
+                          "--token", TOKEN, "--state-dir", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "no-model" in out.stderr and "does not exist" in out.stderr
