@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import uvicorn
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -400,6 +401,10 @@ def build_app(actor: Actor, token: str | None):
     app = service_app("molt-actor", token)
     args = actor.args
 
+    @app.exception_handler(Exception)
+    async def failed(_request, exc: Exception):
+        return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
     @app.get("/health")
     def health() -> ActorHealth:
         return ActorHealth(version=actor.version, last_step=actor.last_step, run_id=actor.run_id,
@@ -459,15 +464,16 @@ def build_app(actor: Actor, token: str | None):
                     raise RuntimeError(f"engine {url} answered {r.status_code}: {r.text[:500]}")
                 return r.json()["version"]
 
-            pool = ThreadPoolExecutor(len(req.engines))
+            pool = ThreadPoolExecutor(1 + len(req.engines))
             answers = [pool.submit(receive, i, e.url) for i, e in enumerate(req.engines)]
-            try:
-                group = weight_transfer.open_group("0.0.0.0", port, world, 0, backend)
-            except Exception as e:
-                errors = [str(a.exception()) for a in answers if a.done() and a.exception()]
-                raise HTTPException(502, f"engines did not join the weight transfer group: {errors or e}")
-            finally:
-                pool.shutdown(wait=False)
+            joined = pool.submit(weight_transfer.open_group, "0.0.0.0", port, world, 0, backend)
+            pool.shutdown(wait=False)
+            # an engine answers only after receiving, so an answer before the group is complete is a failure
+            done, _ = wait([joined, *answers], return_when=FIRST_COMPLETED)
+            failure = next((f.exception() for f in done if f.exception()), None)
+            if failure is not None:
+                raise HTTPException(502, f"engines did not join the weight transfer group: {failure}")
+            group = joined.result()
             try:
                 sent = actor.run("push_weights", [[s.name for s in b] for b in specs], group=group)
                 versions = [a.result() for a in answers]

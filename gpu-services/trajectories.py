@@ -61,7 +61,7 @@ def load_segment(store_root: str, ref: str) -> Segment:
 
 def pad_right(rows: list[torch.Tensor], value=0) -> torch.Tensor:
     """[N] tensors of lengths T_i -> [N, max T_i], padded at the end."""
-    out = torch.full((len(rows), max(r.numel() for r in rows)), value, dtype=rows[0].dtype)
+    out = torch.full((len(rows), max(r.numel() for r in rows)), value, dtype=rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
         out[i, :r.numel()] = r
     return out

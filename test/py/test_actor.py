@@ -213,6 +213,8 @@ def test_bad_requests_get_clear_errors_and_the_actor_keeps_serving(actor1, store
         assert r.status_code == 400 and "--ref-model" in r.json()["error"]
         r = c.post("/logprobs", json={"token_ids": [[1, 100000]]})
         assert r.status_code == 400 and "token_ids[0]" in r.json()["error"]
+        r = c.post("/push_weights", json={"engines": [{"url": actor1}], "version": 5})  # not an engine
+        assert r.status_code == 502 and "404" in r.json()["error"]
         assert c.get("/health").json()["last_step"] == last
     r = httpx.get(f"{actor1}/health", headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and "token" in r.json()["error"]
