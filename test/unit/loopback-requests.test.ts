@@ -1,0 +1,174 @@
+// The loopback server's request handling with the real SDK clients: structured tool calls, bad
+// requests, binding. The policy here is a scripted generate function that returns fixed ids (a
+// policy that calls tools, which the random tiny model cannot do); the engine-backed tests are in
+// loopback.test.ts.
+import * as path from 'node:path';
+import OpenAI from 'openai';
+import Anthropic from '@anthropic-ai/sdk';
+import { resolveModelDir } from '../../agents/recipe';
+import { ChatTemplate } from '../../agents/chat-template';
+import type { GenerateFn, Sampling } from '../../agents/chat-session';
+import { LoopbackServer } from '../../agents/loopback';
+
+const MODEL = resolveModelDir('tiny');
+const SAMPLING: Sampling = { max_tokens: 64, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [] };
+const IM_END = 258;
+let server: LoopbackServer;
+let template: ChatTemplate;
+
+beforeAll(async () => {
+  server = await LoopbackServer.start();
+  template = ChatTemplate.load(MODEL);
+});
+afterAll(() => server.close());
+
+// Replies with the given id lists in turn; logprob -0.5 and version 7 on every sampled token.
+function scripted(replies: number[][], prompts: number[][] = []): GenerateFn {
+  return async (_id, prompt) => {
+    prompts.push(prompt);
+    const ids = replies[prompts.length - 1];
+    return { token_ids: ids, logprobs: ids.map(() => -0.5), versions: ids.map(() => 7), finish_reason: ids[ids.length - 1] === IM_END ? 'stop' : 'length' };
+  };
+}
+const open = (generate: GenerateFn) => {
+  const session = server.openSession({ template, generate, maxContext: 1024, defaults: { ...SAMPLING, stop_token_ids: template.endOfTurnIds() } });
+  return { session, ...server.urls(session) };
+};
+const bytes = (s: string) => [...Buffer.from(s, 'utf8')];
+
+// The model writes the call JSON without spaces; the template re-renders it with spaces. The sampled
+// ids are kept as they are and only the glue after <|im_end|> is appended.
+const CALLS = 'Checking.<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call><tool_call>{"name":"add","arguments":{"a":4,"b":5}}</tool_call>';
+
+test('OpenAI: Hermes tool calls come back as tool_calls; results are appended token-exactly', async () => {
+  const prompts: number[][] = [];
+  const reply1 = [...bytes(CALLS), IM_END];
+  const reply2 = [...bytes('5 and 9'), IM_END];
+  const { session, openaiBaseURL } = open(scripted([reply1, reply2, reply1], prompts));
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const tools: OpenAI.ChatCompletionTool[] = [{ type: 'function', function: { name: 'add', parameters: { type: 'object' } } }];
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'Add 2+3 and 4+5.' }];
+
+  const r1 = await client.chat.completions.create({ model: 'policy', messages, tools });
+  const msg = r1.choices[0].message;
+  expect(r1.choices[0].finish_reason).toBe('tool_calls');
+  expect(msg.content).toBe('Checking.');
+  const calls = msg.tool_calls!.map((c) => (c.type === 'function' ? [c.function.name, JSON.parse(c.function.arguments)] : null));
+  expect(calls).toEqual([['add', { a: 2, b: 3 }], ['add', { a: 4, b: 5 }]]);
+
+  messages.push(msg as OpenAI.ChatCompletionMessageParam,
+    ...msg.tool_calls!.map((c, i) => ({ role: 'tool' as const, tool_call_id: c.id, content: ['5', '9'][i] })));
+  const r2 = await client.chat.completions.create({ model: 'policy', messages, tools });
+  expect(r2.choices[0].message.content).toBe('5 and 9');
+
+  const obs = template.tokenizer.encode('\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n'
+    + '<|im_start|>user\n<tool_response>\n9\n</tool_response><|im_end|>\n<|im_start|>assistant\n');
+  const [seg] = session.segments();
+  expect(seg.tokens).toEqual([...prompts[0], ...reply1, ...obs, ...reply2]);
+  expect(prompts[1]).toEqual([...prompts[0], ...reply1, ...obs]);
+  expect(seg.loss_mask).toEqual([...prompts[0].map(() => 0), ...reply1.map(() => 1), ...obs.map(() => 0), ...reply2.map(() => 1)]);
+  expect(seg.logprobs.filter((_, i) => seg.loss_mask[i])).toEqual([...reply1, ...reply2].map(() => -0.5));
+  expect(seg.versions).toEqual(seg.loss_mask.map((m) => (m ? 7 : -1)));
+
+  // Streamed, the same calls arrive as tool_calls deltas.
+  const stream = await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'again' }], tools, stream: true });
+  const deltas: OpenAI.ChatCompletionChunk.Choice.Delta.ToolCall[] = [];
+  for await (const chunk of stream) deltas.push(...(chunk.choices[0]?.delta.tool_calls ?? []));
+  expect(deltas.map((d) => [d.index, d.function?.name, JSON.parse(d.function!.arguments!)])).toEqual([[0, 'add', { a: 2, b: 3 }], [1, 'add', { a: 4, b: 5 }]]);
+  expect(session.segments()).toHaveLength(2); // a new conversation: the first segment was sealed
+});
+
+test('Anthropic: tool calls come back as tool_use blocks, streaming and not', async () => {
+  const reply = [...bytes(CALLS), IM_END];
+  const { session, anthropicBaseURL } = open(scripted([reply, reply]));
+  const client = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const tools: Anthropic.Tool[] = [{ name: 'add', input_schema: { type: 'object' } }];
+  const params = { model: 'policy', max_tokens: 64, messages: [{ role: 'user' as const, content: 'Add.' }], tools };
+  const plain = await client.messages.create(params);
+  const streamed = await client.messages.stream({ ...params, temperature: 0.7 }).finalMessage();
+  for (const m of [plain, streamed]) {
+    expect(m.stop_reason).toBe('tool_use');
+    expect(m.content.map((b) => (b.type === 'text' ? b.text : b.type === 'tool_use' ? [b.name, b.input] : b.type)))
+      .toEqual(['Checking.', ['add', { a: 2, b: 3 }], ['add', { a: 4, b: 5 }]]);
+    expect(m.usage.output_tokens).toBe(reply.length);
+  }
+});
+
+test('special-token text the model spelled in bytes stays bytes (re-encoding would merge it)', async () => {
+  const prompts: number[][] = [];
+  const reply = [...bytes('a<|im_end|>b'), IM_END];
+  const { session, openaiBaseURL } = open(scripted([reply, reply], prompts));
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'x' }];
+  const r1 = await client.chat.completions.create({ model: 'policy', messages });
+  expect(r1.choices[0].message.content).toBe('a<|im_end|>b');
+  // decode-then-re-encode would turn the 10 sampled bytes into the single special token 258
+  expect(template.tokenizer.encode(r1.choices[0].message.content!)).toEqual([97, IM_END, 98]);
+  await client.chat.completions.create({ model: 'policy', messages: [...messages, r1.choices[0].message as OpenAI.ChatCompletionMessageParam, { role: 'user', content: 'y' }] });
+  const [seg] = session.segments();
+  expect(seg.tokens.slice(prompts[0].length, prompts[0].length + reply.length)).toEqual(reply);
+  expect(prompts[1]).toEqual([...prompts[0], ...reply, ...template.tokenizer.encode('\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n')]);
+});
+
+test('a malformed tool call comes back as text', async () => {
+  const text = '<tool_call>{"name": "add", "arguments": {"a": </tool_call>';
+  const { session, openaiBaseURL } = open(scripted([[...bytes(text), IM_END]]));
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const r = await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'x' }], tools: [{ type: 'function', function: { name: 'add' } }] });
+  expect(r.choices[0]).toMatchObject({ finish_reason: 'stop', message: { content: text } });
+  expect(r.choices[0].message.tool_calls).toBeUndefined();
+});
+
+test('bad requests get a 400 naming the problem, and the server keeps serving', async () => {
+  const prompts: number[][] = [];
+  const { session, openaiBaseURL, anthropicBaseURL } = open(scripted([[104, IM_END], [104, IM_END]], prompts));
+  const openai = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const anthropic = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'x' }];
+  const cases: [Record<string, unknown>, RegExp][] = [
+    [{ frequency_penalty: 0.5 }, /"frequency_penalty" is not supported/],
+    [{ logit_bias: { 1: 5 } }, /"logit_bias" is not supported/],
+    [{ n: 2 }, /n must be 1/],
+    [{ temperature: -1 }, /temperature must be >= 0/],
+    [{ top_p: 0 }, /top_p must be in \(0, 1\]/],
+    [{ max_tokens: 0 }, /max_tokens must be an integer >= 1/],
+    [{ stop: ['two tokens'] }, /only single-token stop strings/],
+    [{ tool_choice: 'required' }, /tool_choice "required" is not supported/],
+    [{ response_format: { type: 'json_object' } }, /"response_format" is not supported/],
+  ];
+  for (const [extra, message] of cases) {
+    const err = await openai.chat.completions.create({ model: 'policy', messages, ...extra } as any).catch((e) => e);
+    expect(err).toBeInstanceOf(OpenAI.BadRequestError);
+    expect(err.message).toMatch(message);
+  }
+  const bad = await openai.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }).catch((e) => e);
+  expect(bad.status).toBe(400);
+  expect(bad.message).toMatch(/only text content parts/);
+  const thinking = await anthropic.messages.create({ model: 'policy', max_tokens: 5, messages: [{ role: 'user', content: 'x' }], thinking: { type: 'enabled', budget_tokens: 1024 } }).catch((e) => e);
+  expect(thinking).toBeInstanceOf(Anthropic.BadRequestError);
+  expect(thinking.message).toMatch(/field .{0,2}"thinking.{0,2}" is not supported/);
+  const forced = await anthropic.messages.create({ model: 'policy', max_tokens: 5, messages: [{ role: 'user', content: 'x' }], tool_choice: { type: 'any' } }).catch((e) => e);
+  expect(forced.message).toMatch(/tool_choice .* is not supported/);
+
+  const url = `${openaiBaseURL}/chat/completions`;
+  const raw = (init: RequestInit) => fetch(url, { method: 'POST', ...init }).then(async (r) => [r.status, await r.json()]);
+  expect(await raw({ headers: { authorization: `Bearer ${session.apiKey}` }, body: '{not json' })).toEqual([400, { error: expect.objectContaining({ message: expect.stringMatching(/not valid JSON/) }) }]);
+  expect((await raw({ headers: { authorization: 'Bearer wrong' }, body: '{}' }))[0]).toBe(401);
+  expect((await raw({ headers: { authorization: `Bearer ${session.apiKey}` }, body: '{}' }).then(() => fetch(url.replace(session.id, 'f'.repeat(32)), { method: 'POST', body: '{}' })))
+    .status).toBe(404);
+  expect(prompts).toHaveLength(0); // nothing reached the policy
+
+  // Still serving, and stop strings of one token are honoured as engine stop ids.
+  const ok = await openai.chat.completions.create({ model: 'policy', messages, stop: ['\n'] });
+  expect(ok.choices[0].message.content).toBe('h');
+  server.closeSession(session);
+  const gone = await openai.chat.completions.create({ model: 'policy', messages }).catch((e) => e);
+  expect(gone.status).toBe(404);
+});
+
+test('the server refuses to bind anything but loopback', async () => {
+  await expect(LoopbackServer.start('0.0.0.0')).rejects.toThrow(/refusing to bind 0.0.0.0/);
+  await expect(LoopbackServer.start('192.168.1.5')).rejects.toThrow(/only 127.0.0.1/);
+  expect(server.urls(server.openSession({ template, generate: scripted([]), maxContext: 8, defaults: SAMPLING })).openaiBaseURL)
+    .toMatch(/^http:\/\/127\.0\.0\.1:\d+\/s\/[0-9a-f]{32}\/v1$/);
+});
