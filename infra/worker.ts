@@ -59,7 +59,7 @@ async function main(): Promise<void> {
   const temporalAddress = env.MOLT_TEMPORAL_ADDRESS ?? 'localhost:7233';
   // The workers stop on SIGINT/SIGTERM by themselves (the SDK's runtime handles those signals).
   const workers = await runWorkers({ temporalAddress, endpoints, queues });
-  console.log(`molt worker: ${queues.map((q) => TASK_QUEUES[q]).join(', ')} on ${temporalAddress}`);
+  console.log(`molt worker ready: ${queues.map((q) => TASK_QUEUES[q]).join(', ')} on ${temporalAddress}`);
   await workers.done;
 }
 

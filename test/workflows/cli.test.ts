@@ -1,0 +1,95 @@
+// molt-client as a user runs it (a tsx child process) against a real Temporal dev server, with
+// a worker in this process whose activities finish instantly.
+import { execFile } from 'node:child_process';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import type { TestWorkflowEnvironment } from '@temporalio/testing';
+import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
+import { REPO_ROOT, startTemporal, withWorkers } from '../helpers/temporal';
+
+let env: TestWorkflowEnvironment;
+let recipeDir: string;
+beforeAll(async () => {
+  env = await startTemporal();
+  recipeDir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-cli-'));
+  fs.writeFileSync(path.join(recipeDir, 'recipe.json'), JSON.stringify({
+    name: 'cli', agent: 'agent.ts', model: 'tiny', group_size: 2, pool: { inflight: 2 }, batch: { groups: 1 },
+    train: { steps: 50 }, checkpoint: { every: 10 }, sampling: { max_tokens: 4 }, algo: { lr: 1e-5 },
+  }));
+});
+afterAll(async () => {
+  await env?.teardown();
+  fs.rmSync(recipeDir, { recursive: true, force: true });
+});
+
+function cli(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
+  return new Promise((resolve) => {
+    execFile(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['client/cli.ts', ...args], {
+      cwd: REPO_ROOT, env: { ...process.env, MOLT_TEMPORAL_ADDRESS: env.address },
+    }, (err, stdout, stderr) => resolve({ code: err ? Number(err.code) : 0, stdout, stderr }));
+  });
+}
+
+const trainedSteps: number[] = [];
+const activities = {
+  async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
+    return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
+  },
+  async trainStep(input: TrainStepInput) {
+    trainedSteps.push(input.step);
+    return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.25 } };
+  },
+  async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
+  async checkpoint(input: { runId: string; step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
+};
+
+test('start with a bad override exits 2 and names the field', async () => {
+  const { code, stderr } = await cli('start', recipeDir, '--algo.lr', 'fast');
+  expect(code).toBe(2);
+  expect(stderr).toContain('recipe config: algo.lr: expected number, received string');
+});
+
+test('status and cancel of an unknown run exit 1 with a clear message', async () => {
+  for (const command of ['status', 'cancel']) {
+    const { code, stderr } = await cli(command, 'xyz');
+    expect(code).toBe(1);
+    expect(stderr.trim()).toBe('no run molt-xyz');
+  }
+});
+
+test('start --follow runs to the end; status and list show the run; a second start with the same id is refused', async () => {
+  await withWorkers(env, activities, async () => {
+    const started = await cli('start', recipeDir, '--run-id', 'cli1', '--follow', '--train.steps', '3', '--algo.lr=2e-5');
+    expect(started.code).toBe(0);
+    expect(started.stdout).toContain('"lr": 0.00002');
+    expect(started.stdout).toContain('http://localhost:8233/namespaces/default/workflows/molt-cli1');
+    expect(started.stdout).toContain('run cli1 finished after 3 steps');
+    expect(trainedSteps).toEqual([1, 2, 3]);
+
+    const status = await cli('status', 'cli1');
+    expect(status.code).toBe(0);
+    expect(status.stdout).toContain('run cli1: COMPLETED');
+    expect(status.stdout).toContain('checkpoint: /ckpt/step-3');
+
+    const list = await cli('list');
+    expect(list.stdout).toMatch(/^cli1\tCOMPLETED/m);
+
+    const again = await cli('start', recipeDir, '--run-id', 'cli1');
+    expect(again.code).toBe(2);
+    expect(again.stderr).toContain('run molt-cli1 already exists');
+  });
+});
+
+test('cancel stops a running run gracefully', async () => {
+  await withWorkers(env, activities, async () => {
+    const started = await cli('start', recipeDir, '--run-id', 'cli2');
+    expect(started.code).toBe(0);
+    const cancelled = await cli('cancel', 'cli2');
+    expect(cancelled.code).toBe(0);
+    const handle = env.client.workflow.getHandle(`molt-cli2`);
+    const summary = await handle.result();
+    expect(summary.stopped).toBe(true);
+    expect((await cli('status', 'cli2')).stdout).toContain('run cli2: COMPLETED');
+  });
+});
