@@ -4,7 +4,7 @@
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import {
-  callService, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
+  callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
 import { writeFileAtomic } from './store';
 import type {
@@ -64,11 +64,13 @@ export function checkpointDir(storeRoot: string, runId: string, step: number): s
 // written only after the actor has saved, so it never points at a partial directory.
 export async function checkpoint(endpoints: ServiceEndpoints, input: CheckpointInput): Promise<CheckpointResult> {
   const dir = checkpointDir(endpoints.storeRoot, input.runId, input.step);
+  // step-<n> must hold the weights after step n: refuse before writing anything if the actor is elsewhere.
+  const health = await callService<ActorHealth>(endpoints.actor, '/health', endpoints.token, { response: 'ActorHealth' });
+  if (health.last_step !== input.step || health.run_id !== input.runId) {
+    throw new Error(`checkpoint: asked for step ${input.step} of run ${input.runId}, but the actor holds step ${health.last_step} of run ${health.run_id}`);
+  }
   const res = await heartbeating({ step: input.step }, callService<CheckpointResponse>(endpoints.actor, '/checkpoint/save', endpoints.token,
     { body: { path: dir }, request: 'CheckpointRequest', response: 'CheckpointResponse' }));
-  if (res.step !== input.step) {
-    throw new Error(`checkpoint: asked for step ${input.step}, but the actor holds step ${res.step} (saved at ${dir}; latest not moved)`);
-  }
   writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'checkpoints', 'latest'), dir);
   return { path: dir, step: res.step };
 }

@@ -35,6 +35,7 @@ export interface TrainStepResponse { run_id: string; step: number; version: numb
 export interface PushWeightsRequest { engines: { url: string }[]; version: number }
 export interface PushWeightsResponse { version: number; bytes: number; seconds: number }
 export interface CheckpointResponse { path: string; step: number; version: number }
+export interface ActorHealth { version: number; last_step: number; run_id: string | null; world_size: number; model: string }
 
 // status is the HTTP status, or undefined when the service could not be reached at all.
 export class ServiceError extends Error {

@@ -13,7 +13,7 @@ import { tokenizerFor } from '../../agents/tokenizer';
 import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
-import type { ServiceEndpoints } from '../../activities/types';
+import type { GroupResult, ServiceEndpoints } from '../../activities/types';
 import { copyTarget } from '../../recipes/copy/agent';
 import { freePort, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
@@ -134,7 +134,7 @@ describe('rolloutGroup', () => {
     const beats: RolloutManifest[] = [];
     env.on('heartbeat', (d) => beats.push(JSON.parse(JSON.stringify(d))));
     const router = new EngineRouter(endpoints().engines, TOKEN);
-    const result = await env.run(rolloutGroup, endpoints(), router, { runId, groupIndex: 4, recipeDir, config });
+    const result = await (env.run(rolloutGroup, endpoints(), router, { runId, groupIndex: 4, recipeDir, config }) as Promise<GroupResult>);
     return { result, beats };
   }
 
