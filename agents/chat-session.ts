@@ -91,27 +91,30 @@ export class ChatSession {
     const tok = template.tokenizer;
     const render = template.render(req.messages, req.tools, true);
 
-    let observation = this.extension(req, render);
-    if (observation === null || !this.current) {
-      if (this.current) this.sealed.push(this.current);
-      this.current = { tokens: [], logprobs: [], versions: [], loss_mask: [] };
-      observation = tok.encode(render);
-    }
-    const seg = this.current;
-    for (const id of observation) push(seg, id, 0, -1, 0);
+    const appended = this.extension(req, render); // null: the request rewrites the conversation
+    const observation = appended ?? tok.encode(render);
+    const prompt = appended && this.current ? [...this.current.tokens, ...appended] : observation;
 
     // max_tokens is clamped to what is left of the context; a full context ends with "length".
-    const remaining = maxContext - seg.tokens.length;
+    const remaining = maxContext - prompt.length;
     const stopIds = [...new Set([...defaults.stop_token_ids, ...(req.sampling.stop_token_ids ?? [])])];
     const sampling: Sampling = {
       ...defaults, ...req.sampling, stop_token_ids: stopIds,
       max_tokens: Math.min(req.sampling.max_tokens ?? defaults.max_tokens, remaining),
     };
     const gen: Generation = remaining > 0
-      ? await generate(this.id, seg.tokens.slice(), sampling)
+      ? await generate(this.id, prompt, sampling)
       : { token_ids: [], logprobs: [], versions: [], finish_reason: 'length' };
-    const promptTokens = seg.tokens.length;
+
+    // Only a successful generation changes the session, so a failed request can simply be retried.
+    if (!appended || !this.current) {
+      if (this.current) this.sealed.push(this.current);
+      this.current = { tokens: [], logprobs: [], versions: [], loss_mask: [] };
+    }
+    const seg = this.current;
+    for (const id of observation) push(seg, id, 0, -1, 0);
     gen.token_ids.forEach((id, i) => push(seg, id, gen.logprobs[i], gen.versions[i], 1));
+    const promptTokens = prompt.length;
 
     // The reply text (for the agent only) leaves out the stop token that ended the turn.
     const last = gen.token_ids[gen.token_ids.length - 1];

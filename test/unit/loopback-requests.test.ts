@@ -172,3 +172,23 @@ test('the server refuses to bind anything but loopback', async () => {
   expect(server.urls(server.openSession({ template, generate: scripted([]), maxContext: 8, defaults: SAMPLING })).openaiBaseURL)
     .toMatch(/^http:\/\/127\.0\.0\.1:\d+\/s\/[0-9a-f]{32}\/v1$/);
 });
+
+test('a failed generation leaves the session unchanged, so the retry appends the observation once', async () => {
+  const prompts: number[][] = [];
+  const ok = scripted([[104, IM_END], [105, IM_END]], prompts);
+  let failNext = false;
+  const { session, openaiBaseURL } = open(async (id, prompt, sampling) => {
+    if (failNext) { failNext = false; throw new Error('engine went away'); }
+    return ok(id, prompt, sampling);
+  });
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const r1 = await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'x' }] });
+  const next = { model: 'policy', messages: [{ role: 'user' as const, content: 'x' }, r1.choices[0].message as OpenAI.ChatCompletionMessageParam, { role: 'user' as const, content: 'y' }] };
+  failNext = true;
+  const err = await client.chat.completions.create(next).catch((e) => e);
+  expect(err.status).toBe(502);
+  expect(err.message).toMatch(/engine went away/);
+  await client.chat.completions.create(next);
+  const obs = template.tokenizer.encode('\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n');
+  expect(session.segments()).toEqual([expect.objectContaining({ tokens: [...prompts[0], 104, IM_END, ...obs, 105, IM_END] })]);
+});
