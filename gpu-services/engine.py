@@ -34,8 +34,13 @@ def build_app(backend, token: str | None) -> FastAPI:
         except ValueError as e:
             raise HTTPException(400, str(e))
         if req.stream:
-            lines = (GenerateChunk(**ev).model_dump_json() + "\n" async for ev in events)
-            return StreamingResponse(lines, media_type="application/x-ndjson")
+            async def lines():
+                try:
+                    async for ev in events:
+                        yield GenerateChunk(**ev).model_dump_json() + "\n"
+                finally:  # on a client disconnect this ends the request in the backend
+                    await events.aclose()
+            return StreamingResponse(lines(), media_type="application/x-ndjson")
         out = {"token_ids": [], "logprobs": [], "versions": []}
         async for ev in events:
             for key in out:

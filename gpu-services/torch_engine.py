@@ -309,7 +309,10 @@ class TorchEngine:
         temperature = torch.tensor([p.temperature or 1.0 for p in params], device=self.device)  # [B]
         top_k = torch.tensor([p.top_k for p in params], device=self.device)  # [B]
         top_p = torch.tensor([p.top_p for p in params], device=self.device)  # [B]
-        logp = F.log_softmax(filter_logits(logits / temperature[:, None], top_k, top_p), dim=-1)  # [B, V]
+        scaled = logits / temperature[:, None]  # [B, V]
+        if any(p.top_k or p.top_p < 1 for p in params):  # the sort in filter_logits is a step's biggest cost
+            scaled = filter_logits(scaled, top_k, top_p)
+        logp = F.log_softmax(scaled, dim=-1)  # [B, V]
         # inverse-CDF sampling, one uniform per token from the request's own generator
         u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(self.device)  # [B]
         cdf = logp.exp().cumsum(dim=-1)  # [B, V]

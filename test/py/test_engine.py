@@ -153,6 +153,23 @@ def test_abort_and_pause_abort_return_partial_tokens(engine):
         assert len(pending.result()["token_ids"]) == 4
 
 
+def test_a_client_that_goes_away_frees_its_slot(engine):
+    c = client(engine)
+    with client(engine).stream("POST", "/generate", json=LONG) as r:
+        lines = r.iter_lines()  # keep a reference: a collected iterator closes the response
+        next(lines)
+        c.post("/pause", json={"mode": "keep"})  # held: from here only the disconnect can end it
+        assert c.get("/health").json()["load"]["running"] == 1
+    try:
+        for _ in range(200):
+            if c.get("/health").json()["load"] == {"running": 0, "waiting": 0}:
+                return
+            time.sleep(0.05)
+        pytest.fail(f"the abandoned request is still in the engine: {c.get('/health').json()}")
+    finally:
+        c.post("/resume")
+
+
 def push_weights(url, new_model, version: int, bucket_bytes: int = 64 * 1024) -> dict:
     """Act as the actor (rank 0): post /weights/receive in a thread and broadcast the buckets."""
     named = list(new_model.state_dict().items())
