@@ -23,7 +23,7 @@ function makeConfig(o: { inflight: number; groups: number; steps: number; every?
 }
 
 // Fake services: `version` is the engines' weight version (set by refit), recorded per group.
-function fakeServices(opts: { hold?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
+function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
   const s = {
     version: 0,
     running: new Set<number>(),
@@ -48,10 +48,10 @@ function fakeServices(opts: { hold?: (g: number) => boolean; rolloutMs?: number;
       } finally {
         s.running.delete(g);
       }
-      const episodes = [...Array(input.config.group_size).keys()];
+      const episodes = opts.empty?.(g) ? [] : [...Array(input.config.group_size).keys()]; // empty: every episode failed
       const result: GroupResult = {
         groupIndex: g, refs: episodes.map((e) => `${input.runId}/g${g}/e${e}`), rewards: episodes.map((e) => (g + e) % 2),
-        failed: 0, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
+        failed: input.config.group_size - episodes.length, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
       };
       s.results.set(g, result);
       return result;
@@ -183,6 +183,21 @@ test.each([
     const summary = await handle.result();
     expect(summary.dropped).toEqual(dropped);
     expect(stepBatches(s)[1]).toEqual(mode === 'drop' ? [5, 6] : [2, 3]);
+  });
+});
+
+test('a group with no finished episode is dropped, not trained', async () => {
+  const runId = 'empty';
+  const { s, activities } = fakeServices({ hold: () => true, empty: (g) => g === 0 });
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 2, groups: 1, steps: 1 }));
+    await waitFor('pool full', () => s.running.size === 2);
+    await release(s, runId, [0]);
+    await waitFor('group 0 dropped', async () => (await handle.query(progressQuery)).dropped.empty === 1);
+    await release(s, runId, [1]);
+    const summary = await handle.result();
+    expect(summary.dropped).toEqual({ stale: 0, empty: 1 });
+    expect(stepBatches(s)).toEqual([[1]]);
   });
 });
 
