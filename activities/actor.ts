@@ -71,6 +71,6 @@ export async function checkpoint(endpoints: ServiceEndpoints, input: CheckpointI
   }
   const res = await heartbeating({ step: input.step }, callService<CheckpointResponse>(endpoints.actor, '/checkpoint/save', endpoints.token,
     { body: { path: dir }, request: 'CheckpointRequest', response: 'CheckpointResponse' }));
-  writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'checkpoints', 'latest'), dir);
+  await writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'checkpoints', 'latest'), dir);
   return { path: dir, step: res.step };
 }

@@ -53,7 +53,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
         generate: (body) => router.generate(session, body, ctx.cancellationSignal),
       });
       const ref = trajectoryKey(runId, groupIndex, episode, 0);
-      writeTrajectory(endpoints.storeRoot, ref, result.trajectory,
+      await writeTrajectory(endpoints.storeRoot, ref, result.trajectory,
         { run: runId, group: groupIndex, episode, segment: 0, reward: result.reward, finish: result.finish });
       const sampled = result.trajectory.versions.filter((_, i) => result.trajectory.lossMask[i]);
       manifest.done[episode] = {

@@ -69,20 +69,21 @@ export function decodeSafetensors(buf: Buffer, what: string): { tensors: Record<
 }
 
 // A retried write is the same write: the bytes go to a temp file, are fsynced, then renamed over
-// the deterministic key, so readers see either nothing or the whole file.
-export function writeFileAtomic(file: string, data: Buffer | string): void {
-  fs.mkdirSync(path.dirname(file), { recursive: true });
+// the deterministic key, so readers see either nothing or the whole file. Asynchronous, so the
+// fsyncs run off the event loop while the worker's other episodes keep generating.
+export async function writeFileAtomic(file: string, data: Buffer | string): Promise<void> {
+  await fs.promises.mkdir(path.dirname(file), { recursive: true });
   const tmp = `${file}.tmp-${process.pid}-${Math.random().toString(36).slice(2)}`;
-  const fd = fs.openSync(tmp, 'w');
+  const handle = await fs.promises.open(tmp, 'w');
   try {
-    fs.writeFileSync(fd, data);
-    fs.fsyncSync(fd);
+    await handle.writeFile(data);
+    await handle.sync();
   } finally {
-    fs.closeSync(fd);
+    await handle.close();
   }
-  fs.renameSync(tmp, file);
-  const dir = fs.openSync(path.dirname(file), 'r');
-  try { fs.fsyncSync(dir); } finally { fs.closeSync(dir); }
+  await fs.promises.rename(tmp, file);
+  const dir = await fs.promises.open(path.dirname(file), 'r');
+  try { await dir.sync(); } finally { await dir.close(); }
 }
 
 export interface Trajectory {
@@ -106,7 +107,7 @@ export function trajectoryKey(runId: string, group: number, episode: number, seg
   return `${runId}/trajectories/g${group}/e${episode}-s${segment}.safetensors`;
 }
 
-export function writeTrajectory(storeRoot: string, key: string, t: Trajectory, meta: TrajectoryMeta): void {
+export async function writeTrajectory(storeRoot: string, key: string, t: Trajectory, meta: TrajectoryMeta): Promise<void> {
   const T = t.tokens.length;
   for (const [name, arr] of [['logprobs', t.logprobs], ['versions', t.versions], ['lossMask', t.lossMask]] as const) {
     if (arr.length !== T) throw new Error(`trajectory ${key}: ${name} has length ${arr.length}, tokens ${T}`);
@@ -127,7 +128,7 @@ export function writeTrajectory(storeRoot: string, key: string, t: Trajectory, m
     format: TRAJECTORY_FORMAT, run: meta.run, group: String(meta.group), episode: String(meta.episode),
     segment: String(meta.segment), reward: String(meta.reward), finish: meta.finish,
   };
-  writeFileAtomic(path.join(storeRoot, key), encodeSafetensors(tensors, metadata));
+  await writeFileAtomic(path.join(storeRoot, key), encodeSafetensors(tensors, metadata));
 }
 
 export function readTrajectory(storeRoot: string, key: string): { trajectory: Trajectory; meta: TrajectoryMeta } {

@@ -24,20 +24,20 @@ test('keys are deterministic', () => {
   expect(trajectoryKey('r1', 7, 2, 0)).toBe('r1/trajectories/g7/e2-s0.safetensors');
 });
 
-test('round trip in TypeScript, with routed experts; a rewrite leaves one file and no temp files', () => {
+test('round trip in TypeScript, with routed experts; a rewrite leaves one file and no temp files', async () => {
   const key = trajectoryKey('r1', 7, 2, 0);
   const routedExperts = trajectory.tokens.map((_, t) => [[t, t + 1], [t + 2, -1]]); // [T][L=2][K=2]
-  writeTrajectory(root, key, { ...trajectory, routedExperts }, meta);
-  writeTrajectory(root, key, { ...trajectory, routedExperts }, meta);
+  await writeTrajectory(root, key, { ...trajectory, routedExperts }, meta);
+  await writeTrajectory(root, key, { ...trajectory, routedExperts }, meta);
   const back = readTrajectory(root, key);
   expect(back.trajectory).toEqual({ ...trajectory, routedExperts });
   expect(back.meta).toEqual(meta);
   expect(fs.readdirSync(path.join(root, 'r1', 'trajectories', 'g7'))).toEqual(['e2-s0.safetensors']);
 });
 
-test('the Python safetensors library reads the file as written', () => {
+test('the Python safetensors library reads the file as written', async () => {
   const key = trajectoryKey('r1', 1, 0, 0);
-  writeTrajectory(root, key, trajectory, meta);
+  await writeTrajectory(root, key, trajectory, meta);
   const script = `
 import json, sys
 from safetensors import safe_open
