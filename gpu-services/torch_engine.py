@@ -1,11 +1,10 @@
 """The `torch` engine backend: continuous batching over a Hugging Face causal LM, on CPU or GPU.
 
 Why not transformers' own continuous-batching manager (`model.init_continuous_batching`)? It batches
-well, but it samples the whole batch with one `torch.multinomial` on one global generator and one
-`do_sample` switch, so there is no per-request seed or greedy/sampled mix; it returns the logprob
-of the softmax before our top-k/top-p; and it knows nothing of weight versions or of recomputing
-a held request's KV after a weight swap. Those are the engine's whole point for RL, so the
-scheduler below is our own, kept small:
+well, but (5.24) it samples the whole batch with one `torch.multinomial` on the global RNG under one
+`do_sample` switch, so there is no per-request seed and no greedy/sampled mix in one batch, and it
+knows nothing of weight versions or of recomputing a held request's KV after a weight swap. Those
+are the engine's whole point for RL, so the scheduler below is our own, kept small:
 
   one background thread loops: [reap aborts] -> one batched decode forward over every running
   sequence (a left-padded KV cache shared by the batch, attention mask, per-sequence position ids)
@@ -37,7 +36,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from common import check_model_dir, load_causal_lm
-from contract import GenerateRequest, SamplingParams, TensorSpec, WeightReceiveRequest
+from contract import GenerateRequest, SamplingParams, WeightReceiveRequest
 from weight_transfer import open_group, recv_bucket
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
@@ -182,9 +181,12 @@ class TorchEngine:
                 self._check_tensor(spec.name, spec.shape, spec.dtype)
         with self._model_lock:
             group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
-            for bucket in req.buckets:
-                for name, tensor in recv_bucket(group, bucket, self.device):
-                    self._state[name].copy_(tensor)
+            try:
+                for bucket in req.buckets:
+                    for name, tensor in recv_bucket(group, bucket, self.device):
+                        self._state[name].copy_(tensor)
+            finally:  # one group per refit: free its connections (NCCL communicators on GPU)
+                group.shutdown()
             self._set_version(req.version)
         return req.version
 
@@ -281,10 +283,10 @@ class TorchEngine:
         if self._running:  # decode: feed each running sequence its last sampled token
             B = len(self._running)
             input_ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)  # [B, 1]
-            positions = torch.tensor([[len(s.context()) - 1] for s in self._running], device=self.device)  # [B, 1]
+            positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in self._running], device=self.device)  # [B, 1]
             self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
             logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
-                                cache=self._cache, use_cache=True).logits[:, -1]  # [B, V]
+                                cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
             self._sample(self._running, logits)
         if admitted:  # prefill over prompt + tokens so far (the tokens are there after a weight swap)
             contexts = [s.context() for s in admitted]
@@ -294,7 +296,7 @@ class TorchEngine:
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [A, L], 0-based within each sequence
             cache = DynamicCache(config=self.model.config)
             logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                cache=cache, use_cache=True).logits[:, -1]  # [A, V]
+                                cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [A, V]
             self._sample(admitted, logits)
             self._merge(admitted, cache, mask)
         self._drop_finished()

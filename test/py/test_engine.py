@@ -1,6 +1,7 @@
 """The torch engine as a real process over real HTTP: logprobs against a teacher-forced forward,
 continuous batching against one-at-a-time decoding, pause/abort, a weight push mid-request, a
 checkpoint load, and bad input."""
+import contextlib
 import json
 import subprocess
 import threading
@@ -195,28 +196,51 @@ def weights_engine(tiny_model, tmp_path_factory):
         yield url
 
 
-def test_pause_push_resume_continues_with_new_weights(weights_engine, model):
-    c = client(weights_engine)
-    new_model = perturbed(model, seed=1)
-    with client(weights_engine).stream("POST", "/generate", json={**LONG, "sampling": {"max_tokens": 300, "seed": 5}}) as r:
-        lines = r.iter_lines()
-        chunks = [json.loads(next(lines))]
+HELD_PROMPTS = [[1, 2, 3], list(range(30, 47))]  # two held requests of different lengths
+
+
+def generate_across_push(url, new_model, version: int) -> list[tuple[list[int], list[int], list[float], list[int]]]:
+    """Start two long requests, pause(keep), push new_model, resume; returns (prompt, tokens, logprobs, versions)."""
+    c = client(url)
+    with contextlib.ExitStack() as stack:
+        streams = []
+        for i, prompt in enumerate(HELD_PROMPTS):
+            body = {"prompt_token_ids": prompt, "stream": True, "sampling": {"max_tokens": 300, "seed": i}}
+            lines = stack.enter_context(client(url).stream("POST", "/generate", json=body)).iter_lines()
+            streams.append((lines, [json.loads(next(lines))]))
         assert c.post("/pause", json={"mode": "keep"}).status_code == 200
-        assert c.get("/health").json()["load"] == {"running": 1, "waiting": 0}  # held, not dropped
-        assert push_weights(weights_engine, new_model, version=1) == {"version": 1}
-        assert c.get("/health").json()["version"] == 1
+        assert c.get("/health").json()["load"] == {"running": 2, "waiting": 0}  # held, not dropped
+        assert push_weights(url, new_model, version) == {"version": version}
+        assert c.get("/health").json()["version"] == version
         assert c.post("/resume").status_code == 200
-        chunks += [json.loads(line) for line in lines if line]
-    tokens = [t for ch in chunks for t in ch["token_ids"]]
-    logprobs = [x for ch in chunks for x in ch["logprobs"]]
-    versions = [v for ch in chunks for v in ch["versions"]]
-    assert chunks[-1]["finish_reason"] == "length" and len(tokens) == 300
-    n_old = versions.count(0)
-    assert 1 <= n_old < 300 and versions == [0] * n_old + [1] * (300 - n_old)
-    prompt = LONG["prompt_token_ids"]
-    assert max_diff(logprobs[:n_old], expected_logprobs(model, prompt, tokens[:n_old])) < TOL
-    # the held request's KV was recomputed, so the new tokens match a forward with the new weights
-    assert max_diff(logprobs[n_old:], expected_logprobs(new_model, prompt + tokens[:n_old], tokens[n_old:])) < TOL
+        for lines, chunks in streams:
+            chunks += [json.loads(line) for line in lines if line]
+    out = []
+    for prompt, (_, chunks) in zip(HELD_PROMPTS, streams):
+        assert chunks[-1]["finish_reason"] == "length"
+        out.append((prompt, *([x for ch in chunks for x in ch[key]] for key in ("token_ids", "logprobs", "versions"))))
+    return out
+
+
+def test_pause_push_resume_continues_with_new_weights(weights_engine, model):
+    new_model = perturbed(model, seed=1)
+    for prompt, tokens, logprobs, versions in generate_across_push(weights_engine, new_model, version=1):
+        n_old = versions.count(0)
+        assert 1 <= n_old < 300 and versions == [0] * n_old + [1] * (300 - n_old)
+        assert max_diff(logprobs[:n_old], expected_logprobs(model, prompt, tokens[:n_old])) < TOL
+        # the held requests' KV was recomputed, so the new tokens match a forward with the new weights
+        assert max_diff(logprobs[n_old:], expected_logprobs(new_model, prompt + tokens[:n_old], tokens[n_old:])) < TOL
+
+
+def test_keep_stale_kv_keeps_the_old_keys_and_values(tiny_model, model, tmp_path):
+    new_model = perturbed(model, seed=1)
+    with engine_server(tiny_model, tmp_path, "--keep-stale-kv") as url:
+        for prompt, tokens, logprobs, versions in generate_across_push(url, new_model, version=1):
+            n_old = versions.count(0)
+            assert 1 <= n_old < 300 and versions == [0] * n_old + [1] * (300 - n_old)
+            # new weights over old KV: not what a fresh forward with the new weights gives
+            fresh = expected_logprobs(new_model, prompt + tokens[:n_old], tokens[n_old:])
+            assert max_diff(logprobs[n_old:], fresh) > 1e-2
 
 
 def test_load_weights_from_checkpoint(weights_engine, model, tmp_path):
