@@ -16,6 +16,7 @@ checkpoint's step are gone: those steps are no longer in the weights and must be
 optimizer step there); on a CPU-only machine everything already lives there, so it changes nothing.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -89,6 +90,56 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
 
 
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The MoE top-k routers in layer order (transformers' *TopKRouter modules return (logits, scores, indices))."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+@contextlib.contextmanager
+def replayed_routing(model, routes: torch.Tensor | None):
+    """Route each token to the experts the engine used (routes [b,L,layers,k]) instead of the router's own pick,
+    so that actor and engine run the same experts. The scores of the replayed experts are recomputed from the
+    router logits (softmax, renormalized over the k when the router does that): the router still gets gradient."""
+    if routes is None:
+        yield
+        return
+
+    def replace(layer: int):
+        def hook(module, _inputs, output):
+            logits = output[0]  # [b*L, experts]
+            experts = routes[:, :, layer].reshape(-1, routes.shape[-1])  # [b*L, k]
+            scores = torch.softmax(logits.float(), dim=-1).gather(-1, experts)  # [b*L, k]
+            if getattr(module, "norm_topk_prob", False):
+                scores = scores / scores.sum(dim=-1, keepdim=True)
+            return logits, scores.to(logits.dtype), experts
+        return hook
+
+    handles = [r.register_forward_hook(replace(i)) for i, r in enumerate(moe_routers(model))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_routes(model, segments: list[Segment]) -> None:
+    """Routed experts come with every trajectory or none, and fit the model's routers."""
+    with_routes = [s for s in segments if s.routed_experts is not None]
+    if not with_routes:
+        return
+    if len(with_routes) != len(segments):
+        raise ValueError(f"trajectories {[s.ref for s in segments if s.routed_experts is None][:3]} have no "
+                         f"routed_experts while {with_routes[0].ref!r} has: replay needs all or none")
+    routers = moe_routers(model)
+    for s in with_routes:
+        _, layers, k = s.routed_experts.shape
+        if not routers or layers != len(routers) or k != routers[0].top_k or s.routed_experts.min() < 0 or \
+                s.routed_experts.max() >= routers[0].num_experts:
+            fit = f"{len(routers)} routers of top {routers[0].top_k} over {routers[0].num_experts} experts" \
+                if routers else "no MoE routers"
+            raise ValueError(f"trajectory {s.ref!r}: routed_experts [T, {layers}, {k}] does not fit the model ({fit})")
+
+
 # ----------------------------------------------------------------------------- the actor (all ranks)
 
 class Actor:
@@ -152,12 +203,15 @@ class Actor:
         return tokens[rows or [0], :max(lengths[i] for i in rows or [0])].to(self.device)
 
     @torch.no_grad()
-    def batch_logprobs(self, model, tokens: torch.Tensor, lengths: list[int], plan: list[list[int]]) -> torch.Tensor:
-        """Logprobs [N,T] of all rows: each rank computes its rows, a sum over ranks fills in the rest."""
+    def batch_logprobs(self, model, tokens: torch.Tensor, lengths: list[int], plan: list[list[int]],
+                       routes: torch.Tensor | None = None) -> torch.Tensor:
+        """Logprobs [N,T] of all rows: each rank computes its rows, a sum over ranks fills in the rest.
+        routes [N,T,layers,k]: MoE experts to replay."""
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
         for rows in plan:
             x = self.micro_batch(tokens, lengths, rows)
-            logp = token_logprobs(model(input_ids=x).logits, x)
+            with replayed_routing(model, None if routes is None else routes[rows or [0], :x.shape[1]]):
+                logp = token_logprobs(model(input_ids=x).logits, x)
             if rows:
                 out[rows, :x.shape[1]] = logp
         if self.world_size > 1:
@@ -182,9 +236,12 @@ class Actor:
         rollout_logp = pad_right([s.rollout_logp for s in segments]).to(dev)  # [N,T]
         versions = pad_right([s.versions for s in segments], -1).to(dev)  # [N,T]
         sampled = pad_right([s.loss_mask for s in segments]).to(dev)  # [N,T] 0/1
+        routes = None  # [N,T,layers,k] MoE experts the engine used, replayed in the policy's forwards
+        if segments[0].routed_experts is not None:
+            routes = pad_right([s.routed_experts for s in segments]).to(dev)
         plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
 
-        old_logp = self.batch_logprobs(self.model, tokens, lengths, plan)  # the current weights, before the update
+        old_logp = self.batch_logprobs(self.model, tokens, lengths, plan, routes)  # current weights, before the update
         ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan) if self.ref is not None else None
         t_old = time.time()
 
@@ -200,7 +257,8 @@ class Actor:
         for rows in plan:
             x = self.micro_batch(tokens, lengths, rows)  # [b,L]
             L, idx = x.shape[1], rows or [0]
-            logits = self.model(input_ids=x).logits  # [b,L,V]
+            with replayed_routing(self.model, None if routes is None else routes[idx, :L]):
+                logits = self.model(input_ids=x).logits  # [b,L,V]
             logp = token_logprobs(logits, x)  # [b,L]
             entropy = entropy_from_logits(logits[:, :-1])  # [b,L-1]: entropy of the distribution of token t
             entropy = torch.cat([torch.zeros_like(entropy[:, :1]), entropy], dim=1)
@@ -428,6 +486,7 @@ def build_app(actor: Actor, token: str | None):
             t0 = time.time()
             try:
                 segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
+                check_routes(actor.model, segments)
             except ValueError as e:
                 raise HTTPException(400, str(e))
             metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)

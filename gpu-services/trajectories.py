@@ -22,6 +22,7 @@ class Segment:
     rollout_logp: torch.Tensor  # float32 [T]
     versions: torch.Tensor  # long [T]
     loss_mask: torch.Tensor  # float32 [T], 0/1
+    routed_experts: torch.Tensor | None  # long [T, layers, top_k]: the experts the engine routed each token to
     group: int
     episode: int
     segment: int
@@ -50,18 +51,23 @@ def load_segment(store_root: str, ref: str) -> Segment:
         raise ValueError(f"trajectory {ref!r}: tokens, logprobs, versions, loss_mask must have one equal length >= 2")
     if tensors["loss_mask"][0]:
         raise ValueError(f"trajectory {ref!r}: loss_mask[0] is set, but the first token has no context to predict it")
+    routed = tensors.get("routed_experts")
+    if routed is not None and (routed.dim() != 3 or routed.shape[0] != T):
+        raise ValueError(f"trajectory {ref!r}: routed_experts must be [T={T}, layers, top_k], got {list(routed.shape)}")
     try:
         group, episode, segment, reward = int(meta["group"]), int(meta["episode"]), int(meta["segment"]), float(meta["reward"])
     except (KeyError, ValueError) as e:
         raise ValueError(f"trajectory {ref!r}: metadata needs integer group/episode/segment and float reward: {e}") from None
     return Segment(ref=ref, tokens=tensors["tokens"].long(), rollout_logp=tensors["logprobs"],
                    versions=tensors["versions"].long(), loss_mask=tensors["loss_mask"].float(),
+                   routed_experts=None if routed is None else routed.long(),
                    group=group, episode=episode, segment=segment, reward=reward)
 
 
 def pad_right(rows: list[torch.Tensor], value=0) -> torch.Tensor:
-    """[N] tensors of lengths T_i -> [N, max T_i], padded at the end."""
-    out = torch.full((len(rows), max(r.numel() for r in rows)), value, dtype=rows[0].dtype, device=rows[0].device)
+    """N tensors [T_i, ...] -> [N, max T_i, ...], padded at the end."""
+    shape = (len(rows), max(r.shape[0] for r in rows), *rows[0].shape[1:])
+    out = torch.full(shape, value, dtype=rows[0].dtype, device=rows[0].device)
     for i, r in enumerate(rows):
-        out[i, :r.numel()] = r
+        out[i, :r.shape[0]] = r
     return out
