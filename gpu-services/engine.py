@@ -90,7 +90,8 @@ def make_backend(args):
         device = default_device() if args.device == "auto" else torch.device(args.device)
         return TorchEngine(args.model, parse_dtype(args.dtype), device, max_batch=args.max_batch,
                            keep_stale_kv=args.keep_stale_kv, name=args.name)
-    raise ValueError(f"backend {args.backend!r} is not available yet")
+    from vllm_engine import VllmEngine  # needs vllm installed (see vllm_engine.py)
+    return VllmEngine.from_args(args)
 
 
 def main() -> None:
@@ -99,7 +100,7 @@ def main() -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8100)
     p.add_argument("--token", default=token_from_env(), help="bearer token (default: env MOLT_TOKEN)")
-    p.add_argument("--backend", default="torch", choices=["torch"])
+    p.add_argument("--backend", default="torch", choices=["torch", "vllm"])
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--max-batch", type=int, default=64, help="most sequences decoded together")
@@ -107,6 +108,8 @@ def main() -> None:
                    help="after a weight update keep held requests' KV from the old weights instead of recomputing it")
     p.add_argument("--name", help="model name reported by /health (default: the model dir's name)")
     args = p.parse_args()
+    if args.max_batch < 1:
+        p.error("--max-batch must be at least 1")
     try:
         backend = make_backend(args)
     except ValueError as e:
