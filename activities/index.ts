@@ -1,17 +1,30 @@
 // The activities a worker registers, bound to its service endpoints. One router per worker, so
 // least-loaded placement sees every in-flight request of that worker.
+import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
 import { checkpoint, refit, trainStep } from './actor';
+import { ServiceError } from './gpu-client';
 import { rolloutGroup } from './rollout';
 import type { CheckpointInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
+
+// A body the service rejects as malformed (400) or a wrong token (401) fails the same way on every
+// retry: report it to the workflow at once instead of retrying forever.
+async function failFast<T>(work: Promise<T>): Promise<T> {
+  try {
+    return await work;
+  } catch (e) {
+    if (e instanceof ServiceError && (e.status === 400 || e.status === 401)) throw ApplicationFailure.nonRetryable(e.message, 'ServiceError');
+    throw e;
+  }
+}
 
 export function createActivities(endpoints: ServiceEndpoints) {
   const router = new EngineRouter(endpoints.engines, endpoints.token);
   return {
-    rolloutGroup: (input: RolloutGroupInput) => rolloutGroup(endpoints, router, input),
-    trainStep: (input: TrainStepInput) => trainStep(endpoints, input),
-    refit: (input: RefitInput) => refit(endpoints, input),
-    checkpoint: (input: CheckpointInput) => checkpoint(endpoints, input),
+    rolloutGroup: (input: RolloutGroupInput) => failFast(rolloutGroup(endpoints, router, input)),
+    trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
+    refit: (input: RefitInput) => failFast(refit(endpoints, input)),
+    checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
   };
 }
 

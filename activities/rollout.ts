@@ -3,11 +3,13 @@
 // manifest; a retried activity reads the manifest and runs only the episodes not yet recorded.
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
+import { ApplicationFailure } from '@temporalio/common';
 import { checkEnv, loadAgentRunner, type Env } from '../agents/contract';
 import { AgentError, deriveSeed, runEnvEpisode } from '../agents/env-runner';
 import { resolveModelDir } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
 import { tokenizerFor } from '../agents/tokenizer';
+import { ServiceError } from './gpu-client';
 import { trajectoryKey, writeTrajectory } from './store';
 import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
 
@@ -30,7 +32,10 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   const ctx = Context.current();
   const { runId, groupIndex, config } = input;
   const modulePath = path.resolve(input.recipeDir, config.agent);
-  const runner = await loadAgentRunner(modulePath);
+  // A module that does not load fails the same way on every retry: stop at once.
+  const runner = await loadAgentRunner(modulePath).catch((e) => {
+    throw ApplicationFailure.nonRetryable((e as Error).message, 'AgentModuleError');
+  });
   const tokenizer = tokenizerFor(resolveModelDir(config.model));
 
   const previous = ctx.info.heartbeatDetails as RolloutManifest | undefined;
@@ -72,7 +77,8 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   let fatal: unknown;
   outcomes.forEach((o, i) => {
     if (o.status === 'fulfilled') return;
-    if (o.reason instanceof AgentError) {
+    // The env failed, or the engine refused this episode's request (e.g. a prompt too long for it).
+    if (o.reason instanceof AgentError || (o.reason instanceof ServiceError && o.reason.status === 400)) {
       manifest.failed[todo[i]] = o.reason.message;
       ctx.log.warn('episode failed', { groupIndex, episode: todo[i], error: o.reason.message });
     } else {

@@ -5,6 +5,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { checkpoint, checkpointDir, refit, trainStep } from '../../activities/actor';
+import { createActivities } from '../../activities/index';
 import { callService, type EngineHealth, type GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup } from '../../activities/rollout';
 import type { ServiceEndpoints } from '../../activities/types';
@@ -68,5 +69,10 @@ test('train step, refit and checkpoint, each exactly once', async () => {
   await expect(inActivity(() => checkpoint(endpoints, { runId: 'r', step: 2 })))
     .rejects.toThrow("checkpoint: asked for step 2 of run r, but the actor holds step 1 of run r");
   expect(fs.existsSync(checkpointDir(endpoints.storeRoot, 'r', 2))).toBe(false);
+
+  // A wrong token fails the same way on every retry: the activity says so at once.
+  const wrongToken = createActivities({ ...endpoints, token: 'wrong' });
+  await expect(inActivity(() => wrongToken.trainStep({ runId: 'r', step: 2, refs: group.refs, algo: config.algo })))
+    .rejects.toMatchObject({ name: 'ApplicationFailure', nonRetryable: true, message: expect.stringContaining('HTTP 401') });
   expect(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'checkpoints', 'latest'), 'utf8')).toBe(saved.path);
 });

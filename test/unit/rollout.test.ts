@@ -155,6 +155,14 @@ describe('rolloutGroup', () => {
     expect(Object.keys(beats[beats.length - 1].done).sort()).toEqual(['0', '1', '2', '3']);
   });
 
+  test('an agent module that does not load stops the activity without retries', async () => {
+    const config = copyConfig({ group_size: 2, agent: 'no-runner-agent.ts' });
+    await expect(run('bad-run', FIXTURES, config)).rejects.toMatchObject({
+      name: 'ApplicationFailure', nonRetryable: true, type: 'AgentModuleError',
+      message: expect.stringContaining('no-runner-agent.ts does not export an AgentRunner object'),
+    });
+  });
+
   test('an agent that throws fails its episode only; a retry reuses the manifest and runs only what is missing', async () => {
     const config = copyConfig({ group_size: 4, agent: 'echo-agent.ts', env: { failEpisode: 2, turns: 2 }, max_context: 128 });
     const first = await run('echo-run', FIXTURES, config);
