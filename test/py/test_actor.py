@@ -92,7 +92,8 @@ def actor2(tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def actor1(tiny_model, tmp_path_factory):
-    with actor_server(tiny_model, tmp_path_factory.mktemp("actor1"), 1) as url:
+    # the initial model as reference: KL terms can be asked for (with kl_coef 0 the step is the same as without)
+    with actor_server(tiny_model, tmp_path_factory.mktemp("actor1"), 1, "--ref-model", str(tiny_model)) as url:
         yield url
 
 
@@ -128,6 +129,10 @@ def test_actor_matches_engine_before_and_after_push(engine, store, actor2, stepp
     assert m["reward/mean"] == pytest.approx(0.5)
     assert m["grad_norm"] > 0 and m["entropy"] > 0
     assert (after - before).abs().max() > 100 * ENGINE_TOL  # the step changed the policy
+    with client(actor2) as c:  # this actor has no reference model
+        r = c.post("/train_step", json={"run_id": RUN, "step": 2, "store_root": store[0], "trajectories": store[1],
+                                        "algo": {"kl_coef": 0.1}})
+        assert r.status_code == 400 and "--ref-model" in r.json()["error"]
 
     with client(actor2) as c:
         r = c.post("/push_weights", json={"engines": [{"url": engine}], "version": 1, "bucket_bytes": 100_000})
@@ -165,12 +170,21 @@ def test_repeated_step_is_a_no_op_and_a_skipped_step_conflicts(actor1, store, st
         assert c.get("/health").json()["last_step"] == 1
 
 
+def test_kl_against_the_reference_model(actor1, store, stepped1):
+    assert stepped1[1]["metrics"]["kl"] == 0  # step 1 started from the reference weights
+    r = train(actor1, store, 2, kl_coef=0.1, kl_estimator="k2")
+    assert r.status_code == 200, r.text
+    assert r.json()["metrics"]["kl"] > 0  # step 2 starts from weights one step away
+
+
 def test_stale_tokens_are_masked(actor1, store, stepped1):
-    # the tokens were sampled at version 0 and the actor is at version 1: max_staleness 0 masks them all
-    r = train(actor1, store, 2, max_staleness=0)
+    # the tokens were sampled at version 0 and the actor is past version 1: max_staleness 1 masks them all
+    with client(actor1) as c:
+        step = c.get("/health").json()["last_step"] + 1
+    r = train(actor1, store, step, max_staleness=1)
     assert r.status_code == 200, r.text
     m = r.json()["metrics"]
-    assert m["tokens/trained"] == 0 and m["stale_masked"] == m["tokens/sampled"] == m["staleness/1"] > 0
+    assert m["tokens/trained"] == 0 and m["stale_masked"] == m["tokens/sampled"] == m[f"staleness/{step - 1}"] > 0
 
 
 def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_model, tmp_path):
@@ -211,8 +225,6 @@ def test_bad_requests_get_clear_errors_and_the_actor_keeps_serving(actor1, store
         assert r.status_code == 400 and "run-a/nope.safetensors" in r.json()["error"]
         r = c.post("/train_step", json={**body, "store_root": str(tmp_path), "trajectories": ["bad.safetensors"]})
         assert r.status_code == 400 and "bad.safetensors" in r.json()["error"]
-        r = c.post("/train_step", json={**body, "algo": {"kl_coef": 0.1}})
-        assert r.status_code == 400 and "--ref-model" in r.json()["error"]
         r = c.post("/logprobs", json={"token_ids": [[1, 100000]]})
         assert r.status_code == 400 and "token_ids[0]" in r.json()["error"]
         r = c.post("/push_weights", json={"engines": [{"url": actor1}], "version": 5})  # not an engine
