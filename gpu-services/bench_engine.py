@@ -150,8 +150,9 @@ def main() -> None:
         engine_tokens_per_s(str(http.base_url), prompts[:4])  # warm-up
         generate_tokens_per_s(model, prompts[:4], pad_id)
         for n in (1, 16, 64):
-            engine = engine_tokens_per_s(str(http.base_url), prompts[:n])
-            baseline = generate_tokens_per_s(model, prompts[:n], pad_id)
+            # best of 3: the machine is shared, and noise only ever slows a run down
+            engine = max(engine_tokens_per_s(str(http.base_url), prompts[:n]) for _ in range(3))
+            baseline = max(generate_tokens_per_s(model, prompts[:n], pad_id) for _ in range(3))
             rows.append({"what": f"generate, {n} concurrent x {NEW_TOKENS} tokens (tokens/s)",
                          "engine": engine, "baseline": baseline, "ratio": engine / baseline})
         refit = min(refit_seconds(http, model) for _ in range(3))
