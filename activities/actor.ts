@@ -40,10 +40,11 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
     Context.current().log.info('refit: engines already at version', { version: input.version });
     return { version: input.version, seconds: 0, bytes: 0 }; // a retry after a completed push
   }
-  // Pause with mode keep: in-flight requests are held, not dropped, and continue on the new weights.
-  await Promise.all(engines.map((e) => callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest' })));
   let pushed: PushWeightsResponse | undefined;
   try {
+    // Pause with mode keep: in-flight requests are held, not dropped, and continue on the new weights.
+    // Inside the try: if one engine fails to pause, the others are still resumed.
+    await Promise.all(engines.map((e) => callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest' })));
     pushed = await heartbeating({ version: input.version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
       body: { engines: engines.map((url) => ({ url })), version: input.version },
       request: 'PushWeightsRequest', response: 'PushWeightsResponse',
