@@ -116,14 +116,18 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       for (;;) {
         await condition(() => !filling || (inflight.size < config.pool.inflight && run.ready.length < config.batch.groups));
         if (!filling) return;
-        const groupIndex = run.nextGroupIndex++;
-        inflight.add(groupIndex);
-        await startChild<typeof promptGroup>('promptGroup', {
-          workflowId: groupWorkflowId(runId, groupIndex),
-          taskQueue: TASK_QUEUES.control,
-          args: [{ runId, groupIndex, recipeDir, config }],
-          parentClosePolicy: ParentClosePolicy.ABANDON, // survives continue-as-new
-        });
+        // Start every free slot at once: one workflow task for all of them, not one each.
+        const free = config.pool.inflight - inflight.size;
+        await Promise.all(Array.from({ length: free }, () => {
+          const groupIndex = run.nextGroupIndex++;
+          inflight.add(groupIndex);
+          return startChild<typeof promptGroup>('promptGroup', {
+            workflowId: groupWorkflowId(runId, groupIndex),
+            taskQueue: TASK_QUEUES.control,
+            args: [{ runId, groupIndex, recipeDir, config }],
+            parentClosePolicy: ParentClosePolicy.ABANDON, // survives continue-as-new
+          });
+        }));
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
