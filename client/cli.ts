@@ -79,16 +79,34 @@ function describeSummary(s: TrainRunSummary): string {
   return [
     `run ${s.runId} ${s.stopped ? 'stopped' : 'finished'} after ${s.steps} steps (policy version ${s.version})`,
     `  reward mean (last step): ${s.rewardMean?.toFixed(4) ?? '-'}`,
+    `  reward per step: ${rewardCurve(s.rewardHistory)}`,
     `  checkpoint: ${s.checkpoint ?? 'none'}`,
     `  dropped groups: ${s.dropped.stale} stale, ${s.dropped.empty} empty`,
     `  last metrics: ${JSON.stringify(s.lastMetrics)}`,
   ].join('\n');
 }
 
+// The reward curve as one line of block characters (0 to 1 mapped onto 8 heights), at most 60
+// wide: each character is the mean of its share of the steps. Min and max are printed beside it.
+function rewardCurve(history: number[], width = 60): string {
+  if (history.length === 0) return '-';
+  const buckets = Math.min(width, history.length);
+  const means = Array.from({ length: buckets }, (_, b) => {
+    const part = history.slice(Math.floor((b * history.length) / buckets), Math.floor(((b + 1) * history.length) / buckets));
+    return part.reduce((a, x) => a + x, 0) / part.length;
+  });
+  const lo = Math.min(...means);
+  const hi = Math.max(...means);
+  const blocks = '▁▂▃▄▅▆▇█';
+  const line = means.map((m) => blocks[hi > lo ? Math.round(((m - lo) / (hi - lo)) * 7) : 0]).join('');
+  return `${line}  (${lo.toFixed(3)} .. ${hi.toFixed(3)})`;
+}
+
 function describeProgress(p: Progress): string {
   return [
     `  state: ${p.state}, step ${p.step}/${p.totalSteps}, policy version ${p.version}`,
     `  reward mean (last step): ${p.rewardMean?.toFixed(4) ?? '-'}, ${Math.round(p.tokensPerSecond)} tokens/s, elapsed ${formatSeconds(p.elapsedSeconds)}`,
+    `  reward per step: ${rewardCurve(p.rewardHistory)}`,
     `  groups: ${p.inflight} running, ${p.ready} ready; dropped ${p.dropped.stale} stale, ${p.dropped.empty} empty`,
     `  last metrics: ${JSON.stringify(p.lastMetrics)}`,
   ].join('\n');

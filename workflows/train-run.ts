@@ -30,6 +30,7 @@ export interface Progress {
   inflight: number;
   ready: number;
   rewardMean: number | null; // mean reward of the last trained batch
+  rewardHistory: number[]; // mean reward of each trained batch, the latest REWARD_HISTORY steps
   tokensPerSecond: number; // generated tokens received / elapsed time
   elapsedSeconds: number;
   lastMetrics: Record<string, number>;
@@ -48,9 +49,11 @@ export interface Carried {
   tokens: number;
   startedAt: number; // epoch ms of the first run
   rewardMean: number | null;
+  rewardHistory: number[];
   lastMetrics: Record<string, number>;
   checkpoint: { step: number; path: string } | null;
 }
+const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {
   runId: string;
@@ -67,6 +70,7 @@ export interface TrainRunSummary {
   stopped: boolean; // true when cancelled before train.steps
   checkpoint: string | null;
   rewardMean: number | null;
+  rewardHistory: number[];
   lastMetrics: Record<string, number>;
   dropped: Dropped;
 }
@@ -84,7 +88,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const { runId, recipeDir, config } = input;
   const run: Carried = input.carried ?? {
     step: 0, nextGroupIndex: 0, inflight: [], ready: [], dropped: { stale: 0, empty: 0 },
-    tokens: 0, startedAt: Date.now(), rewardMean: null, lastMetrics: {}, checkpoint: null,
+    tokens: 0, startedAt: Date.now(), rewardMean: null, rewardHistory: [], lastMetrics: {}, checkpoint: null,
   };
   const inflight = new Set(run.inflight);
   let state: Progress['state'] = 'running';
@@ -98,7 +102,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const elapsedSeconds = (Date.now() - run.startedAt) / 1000;
     return {
       step: run.step, totalSteps: config.train.steps, version: run.step,
-      inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean,
+      inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean, rewardHistory: run.rewardHistory,
       tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
       lastMetrics: run.lastMetrics, dropped: run.dropped, state,
     };
@@ -144,6 +148,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       run.lastMetrics = result.metrics;
       const rewards = batch.flatMap((g) => g.rewards);
       run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
+      run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
       log.info('step done', { step, rewardMean: run.rewardMean, groups: batch.map((g) => g.groupIndex) });
       if (step % config.checkpoint.every === 0) await saveCheckpoint();
 
@@ -167,7 +172,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     state = 'done';
     return {
       runId, steps: run.step, version: run.step, stopped, checkpoint: run.checkpoint?.path ?? null,
-      rewardMean: run.rewardMean, lastMetrics: run.lastMetrics, dropped: run.dropped,
+      rewardMean: run.rewardMean, rewardHistory: run.rewardHistory, lastMetrics: run.lastMetrics, dropped: run.dropped,
     };
   });
 
