@@ -1,16 +1,21 @@
 // Activity rolloutGroup: the G episodes of one prompt group, run concurrently against the engines.
-// Each finished episode is written to the trajectory store first, then recorded in the heartbeat
-// manifest; a retried activity reads the manifest and runs only the episodes not yet recorded.
+// Each finished episode is written to the trajectory store first (one file per segment), then
+// recorded in the heartbeat manifest; a retried activity reads the manifest and runs only the
+// episodes not yet recorded. The two agent forms differ only in how one episode is run.
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import { ApplicationFailure } from '@temporalio/common';
-import { checkEnv, loadAgentRunner, type Env } from '../agents/contract';
+import { runChatEpisode, type ChatEpisode, type ChatPrompt } from '../agents/chat-runner';
+import type { GenerateFn } from '../agents/chat-session';
+import { ChatTemplate } from '../agents/chat-template';
+import { checkEnv, loadAgentRunner, type ChatAgentRunner, type EnvAgentRunner, type GroupTask } from '../agents/contract';
 import { AgentError, deriveSeed, runEnvEpisode } from '../agents/env-runner';
-import { resolveModelDir } from '../agents/recipe';
+import { LoopbackServer } from '../agents/loopback';
+import { resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
 import { tokenizerFor } from '../agents/tokenizer';
-import { ServiceError } from './gpu-client';
-import { trajectoryKey, writeTrajectory } from './store';
+import { ServiceError, type GenerateRequest, type GenerateResponse } from './gpu-client';
+import { trajectoryKey, writeTrajectory, type Trajectory } from './store';
 import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
 
 interface EpisodeRecord {
@@ -27,6 +32,11 @@ export interface RolloutManifest {
   failed: Record<number, string>; // episode index -> the agent's error
 }
 
+// How one episode is run, by either agent form: given its index and the engine call bound to its
+// router session, it returns the episode's segments (one trajectory each) and its reward.
+interface Episode { segments: Trajectory[]; reward: number; finish: string }
+type EpisodeRunner = (episode: number, generate: (body: GenerateRequest) => Promise<GenerateResponse>) => Promise<Episode>;
+
 export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput): Promise<GroupResult> {
   const started = Date.now();
   const ctx = Context.current();
@@ -36,38 +46,32 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   const runner = await loadAgentRunner(modulePath).catch((e) => {
     throw ApplicationFailure.nonRetryable((e as Error).message, 'AgentModuleError');
   });
-  const tokenizer = tokenizerFor(resolveModelDir(config.model));
 
   const previous = ctx.info.heartbeatDetails as RolloutManifest | undefined;
   const manifest: RolloutManifest = { done: { ...previous?.done }, failed: { ...previous?.failed } };
   if (previous) ctx.log.info('rolloutGroup resumed', { groupIndex, reused: Object.keys(manifest.done).length });
 
-  const taskSeed = deriveSeed(config.seed, groupIndex); // one task per group
+  const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
+  const runAgentEpisode = runner.kind === 'env'
+    ? envEpisodes(runner, modulePath, config, task)
+    : chatEpisodes(runner, modulePath, config, task);
+
   const runEpisode = async (episode: number) => {
     const session = `${runId}/g${groupIndex}/e${episode}`;
-    let env: Env;
     try {
-      env = checkEnv(runner.createEnv(config.env), modulePath);
-    } catch (e) {
-      throw new AgentError(`createEnv: ${(e as Error).message}`, { cause: e });
-    }
-    try {
-      const result = await runEnvEpisode({
-        env, tokenizer, sampling: config.sampling, maxContext: config.max_context, runSeed: config.seed,
-        task: { groupIndex, episode, seed: taskSeed },
-        generate: (body) => router.generate(session, body, ctx.cancellationSignal),
-      });
-      const ref = trajectoryKey(runId, groupIndex, episode, 0);
-      await writeTrajectory(endpoints.storeRoot, ref, result.trajectory,
-        { run: runId, group: groupIndex, episode, segment: 0, reward: result.reward, finish: result.finish });
-      const sampled = result.trajectory.versions.filter((_, i) => result.trajectory.lossMask[i]);
+      const result = await runAgentEpisode(episode, (body) => router.generate(session, body, ctx.cancellationSignal));
+      const refs = result.segments.map((_, segment) => trajectoryKey(runId, groupIndex, episode, segment));
+      for (const [segment, trajectory] of result.segments.entries()) {
+        await writeTrajectory(endpoints.storeRoot, refs[segment], trajectory,
+          { run: runId, group: groupIndex, episode, segment, reward: result.reward, finish: result.finish });
+      }
+      const sampled = result.segments.flatMap((t) => t.versions.filter((_, i) => t.lossMask[i]));
       manifest.done[episode] = {
-        refs: [ref], reward: result.reward, tokens: sampled.length,
+        refs, reward: result.reward, tokens: sampled.length,
         minVersion: sampled.length ? Math.min(...sampled) : -1, maxVersion: sampled.length ? Math.max(...sampled) : -1,
       };
     } finally {
       router.endSession(session);
-      await env.close?.();
     }
     ctx.heartbeat(manifest);
   };
@@ -99,5 +103,73 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     minVersion: versions.length ? Math.min(...versions.map((d) => d.minVersion)) : -1,
     maxVersion: versions.length ? Math.max(...versions.map((d) => d.maxVersion)) : -1,
     seconds: (Date.now() - started) / 1000,
+  };
+}
+
+function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeConfig, task: GroupTask): EpisodeRunner {
+  const tokenizer = tokenizerFor(resolveModelDir(config.model));
+  return async (episode, generate) => {
+    let env;
+    try {
+      env = checkEnv(runner.createEnv(config.env), modulePath);
+    } catch (e) {
+      throw new AgentError(`createEnv: ${(e as Error).message}`, { cause: e });
+    }
+    try {
+      const result = await runEnvEpisode({
+        env, tokenizer, sampling: config.sampling, maxContext: config.max_context, runSeed: config.seed,
+        task: { ...task, episode }, generate,
+      });
+      return { segments: [result.trajectory], reward: result.reward, finish: result.finish };
+    } finally {
+      await env.close?.();
+    }
+  };
+}
+
+// One loopback chat server per worker process, started when the first chat episode needs it.
+let loopback: Promise<LoopbackServer> | undefined;
+const templates = new Map<string, ChatTemplate>(); // model dir -> its chat template
+
+function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: RecipeConfig, task: GroupTask): EpisodeRunner {
+  const modelDir = resolveModelDir(config.model);
+  if (!templates.has(modelDir)) templates.set(modelDir, ChatTemplate.load(modelDir));
+  const template = templates.get(modelDir)!;
+  const agentError = (what: string, e: unknown) =>
+    new AgentError(`chat agent ${modulePath}: ${what}: ${(e as Error)?.message ?? e}`, { cause: e });
+  // Every episode of the group starts from the same prompt: ask for it once.
+  let prompt: Promise<ChatPrompt> | undefined;
+
+  return async (episode, generateOnEngine) => {
+    const server = await (loopback ??= LoopbackServer.start().catch((e) => { loopback = undefined; throw e; }));
+    prompt ??= Promise.resolve().then(() => runner.prompt(task, config.env));
+    const start = await prompt.catch((e) => { throw agentError('prompt() threw', e); });
+    if (!Array.isArray(start?.messages) || !start.messages.length) {
+      throw agentError('prompt()', `must return { messages: [at least one], tools?, label? }, got ${JSON.stringify(start)}`);
+    }
+    // The agent sees an engine failure only as an HTTP error from the loopback server; remember the
+    // real one, so it fails the episode (a 400) or the activity (retried) exactly as in the Env form.
+    let engineError: unknown;
+    let call = 0;
+    const generate: GenerateFn = async (_chatSession, ids, sampling) => {
+      try {
+        // Unless the agent asked for a seed: a reproducible stream per (run, group, episode, call).
+        const seed = sampling.seed ?? deriveSeed(config.seed, task.groupIndex, episode, call++);
+        return await generateOnEngine({ prompt_token_ids: ids, sampling: { ...sampling, seed } });
+      } catch (e) {
+        engineError ??= e;
+        throw e;
+      }
+    };
+    const result: ChatEpisode = await runChatEpisode({
+      server, agent: runner, template, generate, prompt: start, sampling: config.sampling, maxContext: config.max_context,
+    }).catch((e) => { throw engineError ?? agentError('run() failed', e); });
+    if (engineError) throw engineError; // even if the agent carried on, its conversation is broken
+    if (!result.segments.length || result.finish === null) throw agentError('run()', 'no token was sampled from the policy: nothing to train');
+    return {
+      segments: result.segments.map((s) => ({ tokens: s.tokens, logprobs: s.logprobs, versions: s.versions, lossMask: s.loss_mask })),
+      reward: result.reward,
+      finish: result.finish,
+    };
   };
 }

@@ -18,7 +18,8 @@ export interface ChatContext {
 }
 export interface ChatResult { reward: number; info?: Record<string, unknown> }
 
-// The ChatAgent form of AgentRunner: the user owns the loop.
+// The loop of the ChatAgent form: the user owns it. A recipe's AgentRunner adds prompt(task)
+// (ChatAgentRunner in agents/contract.ts); commandAgent() below makes one from any program.
 export interface ChatAgent { kind: 'chat'; run(ctx: ChatContext): Promise<ChatResult> }
 
 export interface ChatPrompt { messages: ChatMessage[]; tools?: ToolSpec[]; label?: unknown }

@@ -1,14 +1,23 @@
-// The agent boundary: a recipe's agent module exports `AgentRunner`.
+// The agent boundary: a recipe's agent module exports `AgentRunner`, in one of two forms.
 //
 // Env form (Gymnasium style): the framework owns the LLM loop (agents/env-runner.ts). It calls
 // `reset(task)` for the first observation, generates the policy's action over the exact
 // accumulated token ids, and calls `step(action)` until the env says terminated or truncated.
+//
+// ChatAgent form: the user owns the loop (agents/chat-runner.ts). `prompt(task, settings)` gives
+// the group's conversation start; `run(ctx)` talks to the policy through the loopback chat server
+// with any OpenAI / Anthropic client and returns the reward.
+import type { ChatAgent, ChatPrompt } from './chat-runner';
 import type { SamplingConfig } from './recipe';
 
-export interface EnvTask {
+// What a prompt group is about: every episode of the group gets the same task.
+export interface GroupTask {
   groupIndex: number; // the prompt group
+  seed: number; // derived from (run seed, groupIndex)
+}
+
+export interface EnvTask extends GroupTask {
   episode: number; // 0..group_size-1 within the group
-  seed: number; // derived from (run seed, groupIndex): the same for every episode of a group, so they share one task
 }
 
 export interface EnvObservation {
@@ -41,9 +50,12 @@ export interface EnvAgentRunner {
   createEnv(settings: Record<string, unknown>): Env; // settings: the recipe's `env` object
 }
 
-// The ChatAgent form (kind: 'chat', the user owns the loop and talks to the loopback chat server)
-// joins this union in a later issue.
-export type AgentRunner = EnvAgentRunner;
+export interface ChatAgentRunner extends ChatAgent {
+  // Called once per group; settings: the recipe's `env` object.
+  prompt(task: GroupTask, settings: Record<string, unknown>): ChatPrompt | Promise<ChatPrompt>;
+}
+
+export type AgentRunner = EnvAgentRunner | ChatAgentRunner;
 
 // Loads and checks an agent module: a missing or misshapen `AgentRunner` is an error naming the
 // module and what is wrong, before any episode runs.
@@ -58,11 +70,16 @@ export async function loadAgentRunner(modulePath: string): Promise<AgentRunner> 
   if (runner === undefined || runner === null || typeof runner !== 'object') {
     throw new Error(`agent module ${modulePath} does not export an AgentRunner object (exports: ${Object.keys(mod ?? {}).join(', ') || 'none'})`);
   }
-  if (runner.kind !== 'env') {
-    throw new Error(`agent module ${modulePath}: AgentRunner.kind must be 'env', got ${JSON.stringify(runner.kind)}`);
+  const methods: Record<string, string> | null = runner.kind === 'env' ? { createEnv: '(settings) => Env' }
+    : runner.kind === 'chat' ? { prompt: '(task, settings) => ChatPrompt', run: '(ctx) => Promise<{ reward }>' }
+    : null;
+  if (!methods) {
+    throw new Error(`agent module ${modulePath}: AgentRunner.kind must be 'env' or 'chat', got ${JSON.stringify(runner.kind)}`);
   }
-  if (typeof runner.createEnv !== 'function') {
-    throw new Error(`agent module ${modulePath}: AgentRunner.createEnv must be a function (settings) => Env`);
+  for (const [name, signature] of Object.entries(methods)) {
+    if (typeof runner[name] !== 'function') {
+      throw new Error(`agent module ${modulePath}: a '${runner.kind}' AgentRunner needs ${name}: a function ${signature}`);
+    }
   }
   return runner as AgentRunner;
 }

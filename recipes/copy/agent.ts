@@ -1,7 +1,7 @@
 // The embedded task: copy three letters. Prompt `copy abc>`, the policy answers exactly 3 tokens
 // (sampling.max_tokens 3), reward = fraction of positions that match. Seen to learn from scratch
 // with a tiny random-init model in minutes on CPU (DESIGN.md, "The embedded default").
-import type { AgentRunner as Runner, Env, EnvTask } from '../../agents/contract';
+import type { Env, EnvAgentRunner, EnvTask } from '../../agents/contract';
 
 // Fraction of the target's positions where the answer has the same character.
 export function copyReward(answer: string, target: string): number {
@@ -42,4 +42,4 @@ function createEnv(settings: Record<string, unknown>): Env {
   };
 }
 
-export const AgentRunner: Runner = { kind: 'env', createEnv };
+export const AgentRunner: EnvAgentRunner = { kind: 'env', createEnv };

@@ -9,7 +9,7 @@ const fixture = (name: string) => path.join(__dirname, 'fixtures', name);
 test('the copy recipe module is an Env AgentRunner', async () => {
   const modulePath = path.join(REPO_ROOT, 'recipes', 'copy', 'agent.ts');
   const runner = await loadAgentRunner(modulePath);
-  expect(runner.kind).toBe('env');
+  if (runner.kind !== 'env') throw new Error(`expected an env runner, got ${runner.kind}`);
   const env = checkEnv(runner.createEnv({}), modulePath);
   expect(typeof env.reset).toBe('function');
 });
@@ -21,7 +21,7 @@ test('a module without AgentRunner is named, with what it does export', async ()
 
 test('a wrong kind is named', async () => {
   const p = fixture('wrong-kind-agent.ts');
-  await expect(loadAgentRunner(p)).rejects.toThrow(`agent module ${p}: AgentRunner.kind must be 'env', got "gym"`);
+  await expect(loadAgentRunner(p)).rejects.toThrow(`agent module ${p}: AgentRunner.kind must be 'env' or 'chat', got "gym"`);
 });
 
 test('a missing module is named', async () => {

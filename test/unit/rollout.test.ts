@@ -38,6 +38,7 @@ describe('runEnvEpisode', () => {
   const tokenizer = () => tokenizerFor(tinyModel());
   async function episode(maxContext: number, settings: Record<string, unknown> = {}) {
     const runner = await loadAgentRunner(path.join(FIXTURES, 'echo-agent.ts'));
+    if (runner.kind !== 'env') throw new Error('echo-agent.ts is an Env agent');
     const router = new EngineRouter([engines[0].url], TOKEN);
     const calls: { req: GenerateRequest; res: GenerateResponse }[] = [];
     const input: EpisodeInput = {
