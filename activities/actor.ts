@@ -1,8 +1,16 @@
 // Activities that drive the actor: one optimizer step, a weight refit of the engines, a checkpoint.
 // Each is safe to retry: the actor answers a repeated (run, step) with its recorded metrics, a refit
-// to a version the engines already hold does nothing, a checkpoint rewrites the same directory.
+// pushes only to engines not yet at the version, a checkpoint rewrites the same directory.
+//
+// Exactly-once across an actor crash: before the actor sees step n, trainStep writes the step's
+// manifest <storeRoot>/<runId>/steps/step-<n>.json {refs, algo} (a claim check, like the
+// trajectories). A restarted actor holds its base weights and an empty step log; any activity that
+// finds the actor behind the run loads the run's latest checkpoint and replays the later steps from
+// their manifests, in order (same trajectories, same algo, same starting state: the same update).
+import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
+import type { AlgoConfig } from '../agents/recipe';
 import {
   callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
@@ -23,22 +31,84 @@ async function heartbeating<T>(details: unknown, work: Promise<T>): Promise<T> {
   }
 }
 
+interface StepManifest { refs: string[]; algo: AlgoConfig }
+
+export function stepManifestPath(storeRoot: string, runId: string, step: number): string {
+  return path.join(storeRoot, runId, 'steps', `step-${step}.json`);
+}
+
+// Written once per step; a retry writes the same bytes. Different contents mean the loop asked for
+// the same step with another batch: refuse rather than train two different updates under one number.
+async function writeStepManifest(storeRoot: string, input: TrainStepInput): Promise<void> {
+  const file = stepManifestPath(storeRoot, input.runId, input.step);
+  const text = JSON.stringify({ refs: input.refs, algo: input.algo } satisfies StepManifest);
+  const existing = fs.existsSync(file) ? fs.readFileSync(file, 'utf8') : null;
+  if (existing === null) await writeFileAtomic(file, text);
+  else if (existing !== text) throw new Error(`trainStep: step ${input.step} of run ${input.runId} was already asked with other trajectories (${file})`);
+}
+
+const actorHealth = (e: ServiceEndpoints) => callService<ActorHealth>(e.actor, '/health', e.token, { response: 'ActorHealth' });
+
+function postTrainStep(e: ServiceEndpoints, runId: string, step: number, manifest: StepManifest): Promise<TrainStepResponse> {
+  const body: TrainStepRequest = { run_id: runId, step, store_root: e.storeRoot, trajectories: manifest.refs, algo: manifest.algo };
+  return callService<TrainStepResponse>(e.actor, '/train_step', e.token,
+    { body, request: 'TrainStepRequest', response: 'TrainStepResponse', signal: Context.current().cancellationSignal });
+}
+
+// Brings the actor to step `upTo` of the run if it is behind (restarted: base weights, run_id null;
+// or holding an older state): load the run's latest checkpoint, then replay each later step from
+// its manifest. Returns the steps replayed (0 when the actor was already there).
+export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: number): Promise<number> {
+  let health = await actorHealth(e);
+  if (health.run_id === runId && health.last_step >= upTo) return 0;
+  const latestFile = path.join(e.storeRoot, runId, 'checkpoints', 'latest');
+  const latest = fs.existsSync(latestFile) ? fs.readFileSync(latestFile, 'utf8').trim() : null;
+  if (latest !== null) {
+    const state = JSON.parse(fs.readFileSync(path.join(latest, 'trainer_state.json'), 'utf8')) as { step: number };
+    if (health.run_id !== runId || health.last_step < state.step) {
+      await callService<CheckpointResponse>(e.actor, '/checkpoint/load', e.token, { body: { path: latest }, request: 'CheckpointRequest', response: 'CheckpointResponse' });
+      Context.current().log.info('actor behind the run: loaded its latest checkpoint', { runId, checkpoint: latest, step: state.step });
+      health = await actorHealth(e);
+    }
+  }
+  if (health.run_id !== runId && health.last_step > 0) {
+    throw new Error(`actor holds step ${health.last_step} of run ${health.run_id}, and run ${runId} has no checkpoint to start from`);
+  }
+  const from = health.run_id === runId ? health.last_step + 1 : 1;
+  for (let step = from; step <= upTo; step++) {
+    const file = stepManifestPath(e.storeRoot, runId, step);
+    if (!fs.existsSync(file)) throw new Error(`actor holds step ${from - 1} of run ${runId}: cannot replay step ${step}, it has no manifest (${file})`);
+    const replayed = await postTrainStep(e, runId, step, JSON.parse(fs.readFileSync(file, 'utf8')) as StepManifest);
+    Context.current().log.info('replayed a step on the actor', { runId, step, pgLoss: replayed.metrics.pg_loss });
+  }
+  return upTo - from + 1;
+}
+
 export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInput): Promise<TrainStepResult> {
-  const body: TrainStepRequest = {
-    run_id: input.runId, step: input.step, store_root: endpoints.storeRoot, trajectories: input.refs, algo: input.algo,
-  };
-  const res = await heartbeating({ step: input.step }, callService<TrainStepResponse>(endpoints.actor, '/train_step', endpoints.token,
-    { body, request: 'TrainStepRequest', response: 'TrainStepResponse', signal: Context.current().cancellationSignal }));
+  await writeStepManifest(endpoints.storeRoot, input);
+  const res = await heartbeating({ step: input.step }, (async () => {
+    await catchUpActor(endpoints, input.runId, input.step - 1);
+    return postTrainStep(endpoints, input.runId, input.step, { refs: input.refs, algo: input.algo });
+  })());
   return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
 }
 
+// Pushes the actor's weights of step `version` to every engine not at that version (a restarted
+// engine comes back at version 0 and rejoins here; engines already there keep serving).
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
   const started = Date.now();
-  const { engines, token } = endpoints;
-  const health = await Promise.all(engines.map((e) => callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth' })));
-  if (health.every((h) => h.version === input.version)) {
+  const { token } = endpoints;
+  const health = await Promise.all(endpoints.engines.map((e) => callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth' })));
+  const engines = endpoints.engines.filter((_, i) => health[i].version !== input.version);
+  if (engines.length === 0) {
     Context.current().log.info('refit: engines already at version', { version: input.version });
     return { version: input.version, seconds: 0, bytes: 0 }; // a retry after a completed push
+  }
+  // The weights must be those of step `version`: a restarted actor catches up first.
+  await heartbeating({ version: input.version }, catchUpActor(endpoints, input.runId, input.version));
+  const actor = await actorHealth(endpoints);
+  if (actor.run_id !== input.runId || actor.last_step !== input.version) {
+    throw new Error(`refit: asked for version ${input.version} of run ${input.runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
   }
   let pushed: PushWeightsResponse | undefined;
   try {
@@ -65,8 +135,10 @@ export function checkpointDir(storeRoot: string, runId: string, step: number): s
 // written only after the actor has saved, so it never points at a partial directory.
 export async function checkpoint(endpoints: ServiceEndpoints, input: CheckpointInput): Promise<CheckpointResult> {
   const dir = checkpointDir(endpoints.storeRoot, input.runId, input.step);
-  // step-<n> must hold the weights after step n: refuse before writing anything if the actor is elsewhere.
-  const health = await callService<ActorHealth>(endpoints.actor, '/health', endpoints.token, { response: 'ActorHealth' });
+  // step-<n> must hold the weights after step n: a restarted actor catches up first, and an actor
+  // elsewhere is refused before anything is written.
+  await heartbeating({ step: input.step }, catchUpActor(endpoints, input.runId, input.step));
+  const health = await actorHealth(endpoints);
   if (health.last_step !== input.step || health.run_id !== input.runId) {
     throw new Error(`checkpoint: asked for step ${input.step} of run ${input.runId}, but the actor holds step ${health.last_step} of run ${health.run_id}`);
   }

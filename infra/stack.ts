@@ -33,6 +33,10 @@ export interface Stack {
   stateDir: string;
   processes: Map<string, ChildProcess>;
   startWorker(name: string, queues: string): Promise<ChildProcess>;
+  // Ends process `name` (SIGKILL: a crash; SIGTERM: a clean stop) and starts it again with the same
+  // command, arguments and port; resolves when it is ready. An engine or actor comes back bare (its
+  // base weights, version 0): the activities bring it back to the run's state (activities/actor.ts).
+  restart(name: string, signal?: 'SIGKILL' | 'SIGTERM'): Promise<ChildProcess>;
   stop(): Promise<void>;
 }
 
@@ -65,6 +69,14 @@ function tail(file: string): string {
   }
 }
 
+function readFrom(file: string, offset: number): string {
+  try {
+    return fs.readFileSync(file).subarray(offset).toString('utf8');
+  } catch {
+    return '';
+  }
+}
+
 async function healthy(url: string, token: string): Promise<boolean> {
   const res = await fetch(`${url}/health`, { headers: { authorization: `Bearer ${token}` } });
   return res.ok;
@@ -87,8 +99,12 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
   const processes = new Map<string, ChildProcess>();
   const say = (msg: string) => opts.quiet || console.error(`[stack] ${msg}`);
 
-  const launch = (name: string, cmd: string, args: string[], env: Record<string, string> = {}) => {
+  // How each process was started and how to tell it is ready, so restart() can do the same again.
+  const specs = new Map<string, { cmd: string; args: string[]; env: Record<string, string>; ready: (logFrom: number) => Promise<boolean> }>();
+  const launch = (name: string, cmd: string, args: string[], env: Record<string, string>, ready: (logFrom: number) => Promise<boolean>) => {
+    specs.set(name, { cmd, args, env, ready });
     const log = path.join(logDir, `${name}.log`);
+    const logFrom = fs.existsSync(log) ? fs.statSync(log).size : 0; // readiness is read from here on
     const out = fs.openSync(log, 'a');
     const proc = spawn(cmd, args, {
       cwd: REPO_ROOT, detached: true, stdio: ['ignore', out, out],
@@ -96,14 +112,30 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     });
     fs.closeSync(out);
     processes.set(name, proc);
-    return { proc, log };
+    return { proc, log, ready: () => waitFor(name, () => ready(logFrom), proc, log) };
+  };
+  const alive = (p: ChildProcess) => p.exitCode === null && p.signalCode === null;
+  const exited = (p: ChildProcess) => new Promise<void>((resolve) => (alive(p) ? p.once('exit', () => resolve()) : resolve()));
+
+  const restart = async (name: string, signal: 'SIGKILL' | 'SIGTERM' = 'SIGKILL') => {
+    const spec = specs.get(name);
+    const old = processes.get(name);
+    if (!spec || !old) throw new Error(`restart: no process named ${name} (have ${[...processes.keys()].join(', ')})`);
+    try { process.kill(-old.pid!, signal); } catch { /* already gone */ }
+    await exited(old);
+    // torchrun's workers and the engine's children are in the same process group: make sure none is left.
+    try { process.kill(-old.pid!, 'SIGKILL'); } catch { /* all gone */ }
+    const { proc, ready } = launch(name, spec.cmd, spec.args, spec.env, spec.ready);
+    await ready();
+    say(`restarted ${name}`);
+    return proc;
   };
 
   const stop = async () => {
-    const live = [...processes.values()].filter((p) => p.exitCode === null && p.signalCode === null);
+    const live = [...processes.values()].filter(alive);
     for (const p of live) try { process.kill(-p.pid!, 'SIGTERM'); } catch { /* already gone */ }
     const deadline = Date.now() + 15_000;
-    while (live.some((p) => p.exitCode === null && p.signalCode === null) && Date.now() < deadline) {
+    while (live.some(alive) && Date.now() < deadline) {
       await new Promise((r) => setTimeout(r, 100));
     }
     for (const p of live) try { process.kill(-p.pid!, 'SIGKILL'); } catch { /* already gone */ }
@@ -121,8 +153,7 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
       const args = ['server', 'start-dev', '--db-filename', path.join(stateDir, 'temporal.db'), '--port', String(port),
         '--ui-port', String(uiPort), '--http-port', String(await freePort()), '--metrics-port', String(await freePort()),
         '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a])];
-      const { proc, log } = launch('temporal', path.join(VENV_BIN, 'temporal'), args);
-      await waitFor('temporal dev server', () => tcpOpen(port), proc, log);
+      await launch('temporal', path.join(VENV_BIN, 'temporal'), args, {}, () => tcpOpen(port)).ready();
       temporalAddress = `127.0.0.1:${port}`;
       uiUrl = `http://localhost:${uiPort}`;
       say(`temporal ${temporalAddress}, UI ${uiUrl}`);
@@ -134,31 +165,32 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     for (let i = 0; i < engineCount; i++) {
       const port = await freePort();
       const url = `http://127.0.0.1:${port}`;
-      const { proc, log } = launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
-        ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])]);
       engines.push(url);
-      ready.push(waitFor(`engine-${i}`, () => healthy(url, token), proc, log));
+      ready.push(launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
+        ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])],
+        {}, () => healthy(url, token)).ready());
     }
     const actorPort = await freePort();
     const actor = `http://127.0.0.1:${actorPort}`;
-    const actorLaunch = launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
+    ready.push(launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
       `--nproc-per-node=${opts.actorWorldSize ?? 1}`, 'gpu-services/actor.py', '--model', opts.modelDir,
-      '--port', String(actorPort), '--state-dir', path.join(stateDir, 'actor'), ...(opts.actorArgs ?? [])]);
-    ready.push(waitFor('actor', () => healthy(actor, token), actorLaunch.proc, actorLaunch.log));
+      '--port', String(actorPort), '--state-dir', path.join(stateDir, 'actor'), ...(opts.actorArgs ?? [])],
+      {}, () => healthy(actor, token)).ready());
     await Promise.all(ready);
     say(`engines ${engines.join(' ')}; actor ${actor}`);
 
     const startWorker = async (name: string, queues: string) => {
-      const { proc, log } = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
+      const log = path.join(logDir, `${name}.log`);
+      const launched = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
         MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engines.join(','), MOLT_ACTOR: actor,
         MOLT_STORE: storeRoot, MOLT_QUEUES: queues,
-      });
-      await waitFor(name, async () => tail(log).includes('worker ready'), proc, log, 120_000);
-      return proc;
+      }, async (logFrom) => readFrom(log, logFrom).includes('worker ready'));
+      await launched.ready();
+      return launched.proc;
     };
     if (opts.workers ?? true) await startWorker('worker', 'molt-control,molt-rollout,molt-actor');
 
-    return { temporalAddress, uiUrl, engines, actor, token, storeRoot, stateDir, processes, startWorker, stop };
+    return { temporalAddress, uiUrl, engines, actor, token, storeRoot, stateDir, processes, startWorker, restart, stop };
   } catch (err) {
     await stop();
     throw err;

@@ -46,8 +46,12 @@ test('train step, refit and checkpoint, each exactly once', async () => {
   const again = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, refs: group.refs, algo: config.algo }));
   expect(again).toEqual({ ...step, replayed: true }); // a retried step is answered, not trained again
 
+  // A gap: step 2 was never asked, so there is nothing to replay it from.
   await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 3, refs: group.refs, algo: config.algo })))
-    .rejects.toThrow(/HTTP 409: step 3 of run 'r' is neither applied nor next/); // the actor's {"error"} text
+    .rejects.toThrow(/actor holds step 1 of run r: cannot replay step 2, it has no manifest/);
+  // The same step with another batch is refused: one step number, one update.
+  await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, refs: group.refs.slice(1), algo: config.algo })))
+    .rejects.toThrow(/step 1 of run r was already asked with other trajectories/);
 
   expect(await engineVersion()).toBe(0);
   const pushed = await inActivity(() => refit(endpoints, { runId: 'r', version: 1 }));
@@ -67,7 +71,7 @@ test('train step, refit and checkpoint, each exactly once', async () => {
   expect(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'checkpoints', 'latest'), 'utf8')).toBe(saved.path);
   expect(fs.readdirSync(saved.path)).toContain('config.json');
   await expect(inActivity(() => checkpoint(endpoints, { runId: 'r', step: 2 })))
-    .rejects.toThrow("checkpoint: asked for step 2 of run r, but the actor holds step 1 of run r");
+    .rejects.toThrow('actor holds step 1 of run r: cannot replay step 2, it has no manifest');
   expect(fs.existsSync(checkpointDir(endpoints.storeRoot, 'r', 2))).toBe(false);
 
   // A wrong token fails the same way on every retry: the activity says so at once.
@@ -75,4 +79,33 @@ test('train step, refit and checkpoint, each exactly once', async () => {
   await expect(inActivity(() => wrongToken.trainStep({ runId: 'r', step: 2, refs: group.refs, algo: config.algo })))
     .rejects.toMatchObject({ name: 'ApplicationFailure', nonRetryable: true, message: expect.stringContaining('HTTP 401') });
   expect(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'checkpoints', 'latest'), 'utf8')).toBe(saved.path);
+});
+
+// The actor dies after steps 2 and 3 (checkpoint at 1): a fresh actor (base weights, empty log) is
+// brought back by the activities themselves — the latest checkpoint, then steps 2 and 3 replayed
+// from their manifests — and the replayed steps make the very same updates (same metrics).
+test('a restarted actor catches up from the latest checkpoint and the step manifests', async () => {
+  const refs = JSON.parse(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'steps', 'step-1.json'), 'utf8')).refs as string[];
+  const trained = [];
+  for (const step of [2, 3]) trained.push(await inActivity(() => trainStep(endpoints, { runId: 'r', step, refs, algo: config.algo })));
+  const restart = async () => {
+    actor.proc.kill('SIGKILL');
+    await new Promise((r) => actor.proc.once('exit', r));
+    actor = await startActor(tinyModel(), path.join(root, 'actor-state'));
+    endpoints.actor = actor.url;
+  };
+  await restart();
+  const step4 = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 4, refs, algo: config.algo }));
+  expect(step4).toMatchObject({ step: 4, version: 4, replayed: false });
+  const log = fs.readFileSync(path.join(root, 'actor-state', 'steps.jsonl'), 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+  expect(log.map((e) => e.step)).toEqual([1, 2, 3, 4]); // the checkpoint's step, the replays, the new one: each once
+  const deterministic = (m: Record<string, number>) => Object.fromEntries(Object.entries(m).filter(([k]) => !k.startsWith('time/')));
+  for (const [i, step] of [2, 3].entries()) expect(deterministic(log[step - 1].metrics)).toEqual(deterministic(trained[i].metrics));
+
+  // Dead again before the refit of step 4: the refit catches the actor up before it pushes.
+  await restart();
+  expect((await inActivity(() => refit(endpoints, { runId: 'r', version: 4 }))).version).toBe(4);
+  expect(await engineVersion()).toBe(4);
+  const health = await callService<{ last_step: number; run_id: string }>(actor.url, '/health', TOKEN);
+  expect(health).toMatchObject({ last_step: 4, run_id: 'r' });
 });
