@@ -179,3 +179,23 @@ def test_receive_weights_over_gloo(engine, models):
     bad = req.model_copy(update={"buckets": [[buckets[0][0].model_copy(update={"name": "model.nope.weight"})]]})
     r = engine.post("/weights/receive", json=bad.model_dump())
     assert r.status_code == 400 and "model.nope.weight" in r.json()["error"]
+
+
+def test_refit_from_the_real_actor_and_forward_consistency(engine, models, tmp_path):
+    """The actor (main venv, torch) pushes its weights into the vLLM engine; then the engine's logprobs of what it
+    samples equal the actor's /logprobs of the same ids (DESIGN invariant 3, fp32 on CPU)."""
+    from conftest import ROOT, service
+    main_python = ROOT / ".venv" / "bin" / "python"
+    if not main_python.exists():
+        pytest.skip(f"the actor runs in the main venv, and {main_python} does not exist")
+    port = free_port()
+    cmd = [str(main_python), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", str(GPU / "actor.py"),
+           "--model", str(models[1]), "--port", str(port), "--token", TOKEN, "--state-dir", str(tmp_path)]
+    with service(cmd, port, tmp_path / "actor.log") as url, client(url) as actor:
+        r = actor.post("/push_weights", json={"engines": [{"url": str(engine.base_url)}], "version": 7})
+        assert r.status_code == 200, r.text
+        assert engine.get("/health").json()["version"] == 7
+        out = generate(engine, PROMPT, max_tokens=16, seed=11)
+        assert out["versions"] == [7] * 16
+        want = actor.post("/logprobs", json={"token_ids": [PROMPT + out["token_ids"]]}).json()["logprobs"][0][len(PROMPT):]
+        assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) < 1e-3, (out["logprobs"], want)
