@@ -4,6 +4,11 @@
 // (loss_mask 0, logprob 0, version -1); the engine's sampled ids are appended as returned, with
 // their logprobs and versions (loss_mask 1). Sampled text is decoded only to show the env its
 // action, never re-encoded (invariant 1).
+//
+// MoE routing replay (routedExperts): each sampled token also keeps the experts the engine routed it
+// through ([layers][top_k], from the forward that produced its logits); observation tokens, and sampled
+// tokens the engine returned no routing for, get -1 rows: the actor routes those itself, and with
+// replay on it masks such sampled tokens from the loss rather than guess their experts.
 import type { GenerateRequest, GenerateResponse } from '../activities/gpu-client';
 import type { Trajectory } from '../activities/store';
 import type { Env, EnvTask } from './contract';
@@ -40,6 +45,7 @@ export interface EpisodeInput {
   sampling: SamplingConfig;
   maxContext: number; // most tokens in the whole sequence
   runSeed: number;
+  routedExperts?: boolean; // ask the engine for each sampled token's experts and store them (algo.routing_replay)
 }
 
 export interface EpisodeResult {
@@ -60,8 +66,14 @@ async function envCall<T>(what: string, call: () => T | Promise<T>): Promise<T> 
 export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult> {
   const { env, task, tokenizer, maxContext } = input;
   const t: Trajectory = { tokens: [], logprobs: [], versions: [], lossMask: [] };
+  const routes: (number[][] | null)[] = []; // aligned with t.tokens: a sampled token's experts, null where none
   const appendObservation = (ids: number[]) => {
-    for (const id of ids) { t.tokens.push(id); t.logprobs.push(0); t.versions.push(-1); t.lossMask.push(0); }
+    for (const id of ids) { t.tokens.push(id); t.logprobs.push(0); t.versions.push(-1); t.lossMask.push(0); routes.push(null); }
+  };
+  const end = (finish: EpisodeFinish, turns: number): EpisodeResult => {
+    const shape = routes.find((r) => r !== null); // [layers][top_k] of any record; none: nothing to store
+    if (input.routedExperts && shape) t.routedExperts = routes.map((r) => r ?? shape.map((layer) => layer.map(() => -1)));
+    return { trajectory: t, reward, finish, turns };
   };
 
   const first = await envCall('reset', () => env.reset(task));
@@ -74,7 +86,7 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
   let reward = 0;
   let overrides: Partial<SamplingConfig> = {};
   for (let turn = 0; ; turn++) {
-    if (t.tokens.length >= maxContext) return { trajectory: t, reward, finish: 'context', turns: turn };
+    if (t.tokens.length >= maxContext) return end('context', turn);
     const sampling = { ...input.sampling, ...overrides };
     const action: number[] = [];
     // An engine aborted mid-turn (pause with mode abort) returns what it sampled so far: keep it
@@ -88,12 +100,14 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
           stop_token_ids: sampling.stop_token_ids,
           seed: deriveSeed(input.runSeed, task.groupIndex, task.episode, turn, attempt),
         },
+        ...(input.routedExperts ? { return_routed_experts: true } : {}),
       });
       if (res.logprobs.length !== res.token_ids.length || res.versions.length !== res.token_ids.length) {
         throw new Error(`engine returned ${res.token_ids.length} tokens but ${res.logprobs.length} logprobs and ${res.versions.length} versions`);
       }
       res.token_ids.forEach((id, i) => {
         t.tokens.push(id); t.logprobs.push(res.logprobs[i]); t.versions.push(res.versions[i]); t.lossMask.push(1);
+        routes.push(res.routed_experts?.[i] ?? null);
       });
       action.push(...res.token_ids);
       if (res.finish_reason !== 'abort' || action.length >= sampling.max_tokens || t.tokens.length >= maxContext) break;
@@ -106,12 +120,12 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
       throw new AgentError(`env step must return a finite numeric reward, got ${JSON.stringify(result?.reward)}`);
     }
     reward += result.reward;
-    if (result.terminated) return { trajectory: t, reward, finish: 'terminated', turns: turn + 1 };
-    if (result.truncated) return { trajectory: t, reward, finish: 'truncated', turns: turn + 1 };
+    if (result.terminated) return end('terminated', turn + 1);
+    if (result.truncated) return end('truncated', turn + 1);
     if (result.observation) {
       const ids = tokenizer.encode(result.observation);
       // No room for the observation and a reply: the episode ends here.
-      if (t.tokens.length + ids.length >= maxContext) return { trajectory: t, reward, finish: 'context', turns: turn + 1 };
+      if (t.tokens.length + ids.length >= maxContext) return end('context', turn + 1);
       appendObservation(ids);
     }
     overrides = result.sampling ?? {};

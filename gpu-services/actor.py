@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 
 import weight_transfer
 from algorithm import compute_advantages, entropy_from_logits, policy_objective, staleness_mask
-from common import check_model_dir, load_causal_lm, parse_dtype, service_app, token_from_env
+from common import check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, LogprobsRequest,
                       LogprobsResponse, PushWeightsRequest, PushWeightsResponse, TrainStepRequest, TrainStepResponse,
                       WeightReceiveRequest)
@@ -90,54 +90,71 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
 
 
-def moe_routers(model) -> list[torch.nn.Module]:
-    """The MoE top-k routers in layer order (transformers' *TopKRouter modules return (logits, scores, indices))."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+def recorded_routes(segments: list[Segment], routers: list[torch.nn.Module]) -> torch.Tensor:
+    """[N,T,layers,k]: the experts the engine recorded with each token, -1 where it recorded none (prompt and
+    observation tokens, segments without routed_experts, tokens whose routing the engine could not return).
+    Token t's record holds the experts of the forward that produced its logits, i.e. of input position t-1."""
+    layers, k = len(routers), routers[0].top_k
+    return pad_right([s.routed_experts if s.routed_experts is not None else
+                      torch.full((s.tokens.numel(), layers, k), -1, dtype=torch.long) for s in segments], -1)
 
 
 @contextlib.contextmanager
-def replayed_routing(model, routes: torch.Tensor | None):
-    """Route each token to the experts the engine used (routes [b,L,layers,k]) instead of the router's own pick,
-    so that actor and engine run the same experts. The scores of the replayed experts are recomputed from the
-    router logits (softmax, renormalized over the k when the router does that): the router still gets gradient."""
+def moe_routing(model, routes: torch.Tensor | None, replay: bool):
+    """MoE routing of one forward over [b,L] tokens, given routes [b,L,layers,k]: the recorded experts of each
+    input position (-1: none). replay: a position with a record runs the recorded experts, in recorded order,
+    instead of the router's own top-k; their scores are recomputed from the router logits (softmax, renormalized
+    over the k when the router does that), so the router still gets its gradient (and the logits still feed an
+    auxiliary loss). Positions without a record keep the router's own choice.
+    Yields agree [b,L] bool, filled when the block ends: the router's own top-k equals the record (as a set) at
+    every layer (False where there is no record)."""
     if routes is None:
-        yield
+        yield None
         return
+    matches = []  # per layer [b*L] bool
 
-    def replace(layer: int):
+    def hook_for(layer: int):
         def hook(module, _inputs, output):
-            logits = output[0]  # [b*L, experts]
-            experts = routes[:, :, layer].reshape(-1, routes.shape[-1])  # [b*L, k]
-            scores = torch.softmax(logits.float(), dim=-1).gather(-1, experts)  # [b*L, k]
+            logits, scores, own = output  # [b*L, experts], [b*L, k], [b*L, k]
+            recorded = routes[:, :, layer].reshape(-1, routes.shape[-1])  # [b*L, k]
+            matches.append((own.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1))
+            if not replay:
+                return output
+            has = (recorded >= 0).all(dim=-1, keepdim=True)  # [b*L, 1]
+            experts = torch.where(has, recorded, own)  # [b*L, k]
+            picked = torch.softmax(logits.float(), dim=-1).gather(-1, experts)  # [b*L, k]
             if getattr(module, "norm_topk_prob", False):
-                scores = scores / scores.sum(dim=-1, keepdim=True)
-            return logits, scores.to(logits.dtype), experts
+                picked = picked / picked.sum(dim=-1, keepdim=True)
+            return logits, torch.where(has, picked.to(scores.dtype), scores), experts
         return hook
 
-    handles = [r.register_forward_hook(replace(i)) for i, r in enumerate(moe_routers(model))]
+    agree = torch.zeros(routes.shape[:2], dtype=torch.bool, device=routes.device)
+    handles = [r.register_forward_hook(hook_for(i)) for i, r in enumerate(moe_routers(model))]
     try:
-        yield
+        yield agree
+        agree |= torch.stack(matches).all(dim=0).view(agree.shape)
     finally:
         for h in handles:
             h.remove()
 
 
-def check_routes(model, segments: list[Segment]) -> None:
-    """Routed experts come with every trajectory or none, and fit the model's routers."""
-    with_routes = [s for s in segments if s.routed_experts is not None]
-    if not with_routes:
-        return
-    if len(with_routes) != len(segments):
-        raise ValueError(f"trajectories {[s.ref for s in segments if s.routed_experts is None][:3]} have no "
-                         f"routed_experts while {with_routes[0].ref!r} has: replay needs all or none")
+def check_routes(model, segments: list[Segment], replay: bool) -> None:
+    """Recorded experts fit the model's routers: [T, layers, top_k], each token's row all ids in range or all -1."""
     routers = moe_routers(model)
-    for s in with_routes:
+    if replay and not routers:
+        raise ValueError("algo.routing_replay is on but the model has no MoE routers")
+    for s in segments:
+        if s.routed_experts is None:
+            continue
         _, layers, k = s.routed_experts.shape
-        if not routers or layers != len(routers) or k != routers[0].top_k or s.routed_experts.min() < 0 or \
+        if not routers or layers != len(routers) or k != routers[0].top_k or s.routed_experts.min() < -1 or \
                 s.routed_experts.max() >= routers[0].num_experts:
             fit = f"{len(routers)} routers of top {routers[0].top_k} over {routers[0].num_experts} experts" \
                 if routers else "no MoE routers"
             raise ValueError(f"trajectory {s.ref!r}: routed_experts [T, {layers}, {k}] does not fit the model ({fit})")
+        missing = (s.routed_experts < 0).flatten(1)  # [T, layers*k]
+        if (missing.any(dim=1) & ~missing.all(dim=1)).any():
+            raise ValueError(f"trajectory {s.ref!r}: routed_experts rows must be all expert ids or all -1 (no record)")
 
 
 # ----------------------------------------------------------------------------- the actor (all ranks)
@@ -204,25 +221,31 @@ class Actor:
 
     @torch.no_grad()
     def batch_logprobs(self, model, tokens: torch.Tensor, lengths: list[int], plan: list[list[int]],
-                       routes: torch.Tensor | None = None) -> torch.Tensor:
+                       routes: torch.Tensor | None = None, replay: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs [N,T] of all rows: each rank computes its rows, a sum over ranks fills in the rest.
-        routes [N,T,layers,k]: MoE experts to replay."""
+        routes [N,T,layers,k]: MoE experts recorded per input position (see moe_routing), replayed if replay;
+        then also returns agree [N,T] (1.0 where the model's own top-k equals the record at every layer)."""
         out = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+        agree = None if routes is None else torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
         for rows in plan:
             x = self.micro_batch(tokens, lengths, rows)
-            with replayed_routing(model, None if routes is None else routes[rows or [0], :x.shape[1]]):
+            with moe_routing(model, None if routes is None else routes[rows or [0], :x.shape[1]], replay) as same:
                 logp = token_logprobs(model(input_ids=x).logits, x)
             if rows:
                 out[rows, :x.shape[1]] = logp
+                if same is not None:
+                    agree[rows, :x.shape[1]] = same.float()
         if self.world_size > 1:
             dist.all_reduce(out)
-        return out
+            if agree is not None:
+                dist.all_reduce(agree)
+        return out, agree
 
     def logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
         tokens = pad_right([torch.tensor(t, dtype=torch.long) for t in token_ids])
         lengths = [len(t) for t in token_ids]
         plan = plan_micro_batches(lengths, self.world_size, self.rank, LOGPROBS_MICRO_BATCH_TOKENS)
-        out = self.batch_logprobs(self.model, tokens, lengths, plan).cpu()
+        out = self.batch_logprobs(self.model, tokens, lengths, plan)[0].cpu()
         return [out[i, :n].tolist() for i, n in enumerate(lengths)]
 
     # --- one optimizer step
@@ -236,16 +259,24 @@ class Actor:
         rollout_logp = pad_right([s.rollout_logp for s in segments]).to(dev)  # [N,T]
         versions = pad_right([s.versions for s in segments], -1).to(dev)  # [N,T]
         sampled = pad_right([s.loss_mask for s in segments]).to(dev)  # [N,T] 0/1
-        routes = None  # [N,T,layers,k] MoE experts the engine used, replayed in the policy's forwards
-        if segments[0].routed_experts is not None:
-            routes = pad_right([s.routed_experts for s in segments]).to(dev)
+        # MoE: the experts the engine recorded with each token [N,T,layers,k] (-1: none), shifted to the input
+        # position where they ran (token t's logits come from position t-1), the last position has none
+        routers, routes = moe_routers(self.model), None
+        recorded = sampled  # [N,T] sampled tokens with a record of their experts
+        if routers and (algo.routing_replay or any(s.routed_experts is not None for s in segments)):
+            by_token = recorded_routes(segments, routers).to(dev)
+            routes = torch.cat([by_token[:, 1:], torch.full_like(by_token[:, :1], -1)], dim=1)
+            recorded = sampled * (by_token >= 0).flatten(2).all(dim=-1)  # [N,T] sampled tokens with a record
+        # replay never trains a token through guessed experts: sampled tokens without a record are masked
+        trainable = recorded if algo.routing_replay else sampled
         plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
 
-        old_logp = self.batch_logprobs(self.model, tokens, lengths, plan, routes)  # current weights, before the update
-        ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan) if self.ref is not None else None
+        # current weights, before the update
+        old_logp, agree = self.batch_logprobs(self.model, tokens, lengths, plan, routes, algo.routing_replay)
+        ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan)[0] if self.ref is not None else None
         t_old = time.time()
 
-        mask = staleness_mask(versions, self.version, algo.max_staleness, sampled)  # [N,T] tokens that train
+        mask = staleness_mask(versions, self.version, algo.max_staleness, trainable)  # [N,T] tokens that train
         staleness = (self.version - versions)[sampled > 0]  # versions behind, per sampled token
         advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp)  # [N,T]
         total_tokens = max(mask.sum().item(), 1.0)  # global token mean over all ranks (every rank has the batch)
@@ -257,7 +288,7 @@ class Actor:
         for rows in plan:
             x = self.micro_batch(tokens, lengths, rows)  # [b,L]
             L, idx = x.shape[1], rows or [0]
-            with replayed_routing(self.model, None if routes is None else routes[idx, :L]):
+            with moe_routing(self.model, None if routes is None else routes[idx, :L], algo.routing_replay):
                 logits = self.model(input_ids=x).logits  # [b,L,V]
             logp = token_logprobs(logits, x)  # [b,L]
             entropy = entropy_from_logits(logits[:, :-1])  # [b,L-1]: entropy of the distribution of token t
@@ -299,9 +330,10 @@ class Actor:
             "ratio": sums["ratio"] / total_tokens,
             "rollout_kl": sums["rollout_kl"] / total_tokens,
             "rollout_logp_max_abs_diff": ((old_logp - rollout_logp).abs() * mask).max().item(),
+            "rollout_logp_mean_abs_diff": ((old_logp - rollout_logp).abs() * mask).sum().item() / total_tokens,
             "grad_norm": grad_norm,
             "optimizer_skipped": float(not math.isfinite(grad_norm)),
-            "stale_masked": (sampled.sum() - mask.sum()).item(),
+            "stale_masked": (trainable.sum() - mask.sum()).item(),
             "tokens/trained": trained,
             "tokens/sampled": sampled.sum().item(),
             "tokens/total": float(sum(lengths)),
@@ -316,6 +348,13 @@ class Actor:
             "time/optimizer": t_end - t_fb,
             "time/total": load_s + t_end - t_start,
         }
+        if routes is not None:
+            # fraction of recorded sampled tokens whose own top-k (actor, current weights) equals the engine's at
+            # every layer; the agreement at input position t-1 is token t's
+            agree_by_token = torch.cat([torch.zeros_like(agree[:, :1]), agree[:, :-1]], dim=1)  # [N,T]
+            metrics["routing/agreement"] = ((agree_by_token * recorded).sum() / recorded.sum().clamp(min=1)).item()
+            metrics["routing/unrecorded"] = (sampled.sum() - recorded.sum()).item()
+            metrics["routing/unrecorded_masked"] = (sampled.sum() - trainable.sum()).item()
         for value, count in zip(*torch.unique(staleness, return_counts=True)):
             metrics[f"staleness/{int(value)}"] = float(count)
         return metrics
@@ -486,7 +525,7 @@ def build_app(actor: Actor, token: str | None):
             t0 = time.time()
             try:
                 segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
-                check_routes(actor.model, segments)
+                check_routes(actor.model, segments, algo.routing_replay)
             except ValueError as e:
                 raise HTTPException(400, str(e))
             metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)

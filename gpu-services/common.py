@@ -64,5 +64,10 @@ def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: torch.
     return model.to(device or default_device()).eval()
 
 
+def moe_routers(model) -> list[torch.nn.Module]:
+    """The MoE top-k routers in layer order (transformers' *TopKRouter modules return (logits, scores, indices))."""
+    return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
 def token_from_env() -> str | None:
     return os.environ.get("MOLT_TOKEN") or None

@@ -34,7 +34,7 @@ class GenerateRequest(Strict):
     sampling: SamplingParams = SamplingParams()
     request_id: Optional[str] = None
     stream: bool = False  # true: NDJSON lines of GenerateChunk, the last one carries finish_reason
-    return_routed_experts: bool = False
+    return_routed_experts: bool = False  # MoE: per sampled token, the experts of every layer (see GenerateResponse)
 
 
 class GenerateChunk(Strict):
@@ -43,6 +43,7 @@ class GenerateChunk(Strict):
     logprobs: list[float]
     versions: list[int]
     finish_reason: Optional[Literal["stop", "length", "abort"]] = None
+    routed_experts: Optional[list[list[list[int]]]] = None  # [tokens][layers][top_k], when asked
 
 
 class GenerateResponse(Strict):
@@ -51,7 +52,9 @@ class GenerateResponse(Strict):
     logprobs: list[float]  # log p(token) under the distribution actually sampled from
     versions: list[int]  # engine weight version when each token was sampled
     finish_reason: Literal["stop", "length", "abort"]
-    routed_experts: Optional[list[list[list[int]]]] = None  # [tokens][layers][top_k]
+    # [tokens][layers][top_k], when asked: token i's experts are those chosen in the forward that produced its
+    # logits (at the position before it), by the weights of versions[i]
+    routed_experts: Optional[list[list[list[int]]]] = None
 
 
 class EngineLoad(Strict):
@@ -128,6 +131,9 @@ class AlgoConfig(Strict):
     entropy_coef: float = 0.0
     gamma: float = 1.0  # reinforce++ discount
     reward_clip: float = 10.0
+    # MoE: route each sampled token's forward through the experts the engine recorded for it; sampled tokens
+    # without a record are masked from the loss (metric routing/unrecorded_masked)
+    routing_replay: bool = False
     micro_batch_tokens: int = 8192  # forward/backward in chunks of at most this many tokens
 
 

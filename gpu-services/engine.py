@@ -42,6 +42,8 @@ def build_app(backend, token: str | None) -> FastAPI:
                     await events.aclose()
             return StreamingResponse(lines(), media_type="application/x-ndjson")
         out = {"token_ids": [], "logprobs": [], "versions": []}
+        if req.return_routed_experts:
+            out["routed_experts"] = []
         async for ev in events:
             for key in out:
                 out[key] += ev[key]

@@ -16,6 +16,11 @@ Weights change only under `_model_lock`, which the thread holds for a whole step
 lands mid-forward, and every token records the version it was sampled under. After a swap the
 held sequences' KV is recomputed by a prefill over prompt + tokens so far (unless keep_stale_kv).
 
+MoE models: a forward hook on each router keeps its top-k expert ids; the ids at the position that produced
+a token's logits are that token's routed experts (int [layers, top_k]), sent with the token when the request
+asked for them. They come from the forward that sampled the token, so across a weight swap each token keeps
+the experts of its own version. Models without routers get no hooks.
+
 The HTTP server (engine.py) talks to this class only through: submit, health, pause, resume, abort,
 receive_weights, load_weights.
 """
@@ -35,11 +40,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from common import check_model_dir, load_causal_lm
+from common import check_model_dir, load_causal_lm, moe_routers
 from contract import GenerateRequest, SamplingParams, WeightReceiveRequest
 from weight_transfer import open_group, recv_bucket
 
-Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
+Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
+#                 and "routed_experts": [[[expert id] * top_k] * layers] * tokens when the request asked}
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Sequence:
     sampling: SamplingParams
     generator: torch.Generator  # per request: same seed -> same draws, whatever else is in the batch
     deliver: Callable[[Event], None]  # thread-safe hand-off to the HTTP handler waiting on this request
+    return_routed_experts: bool = False
     tokens: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
 
@@ -71,6 +78,13 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
+def final_abort(seq: Sequence) -> Event:
+    event = {"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"}
+    if seq.return_routed_experts:
+        event["routed_experts"] = []
+    return event
+
+
 class TorchEngine:
     def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device, max_batch: int = 64,
                  keep_stale_kv: bool = False, name: Optional[str] = None):
@@ -85,6 +99,10 @@ class TorchEngine:
         self.pad_id = self.model.config.pad_token_id or 0  # masked out; any valid id works
         self.version = 0
         self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
+        self._routers = moe_routers(self.model)
+        self._picked: list[torch.Tensor] = []  # per MoE layer, in forward order: the router's top-k ids [B*L, k]
+        for router in self._routers:
+            router.register_forward_hook(lambda _m, _inputs, out: self._picked.append(out[2]))
 
         self._model_lock = threading.Lock()  # held for a whole step and for a weight swap
         self._cv = threading.Condition()  # guards _waiting, _live, _to_abort, _paused; never held across a forward
@@ -117,8 +135,8 @@ class TorchEngine:
         if len(req.prompt_token_ids) >= self.max_len:
             raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; this model allows at most "
                              f"{self.max_len - 1} so that one token can be generated (max_position_embeddings {self.max_len})")
-        if req.return_routed_experts:
-            raise ValueError("return_routed_experts is not supported by the torch backend")
+        if req.return_routed_experts and not self._routers:
+            raise ValueError(f"return_routed_experts: model {self.name!r} has no MoE routers")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         seed = req.sampling.seed if req.sampling.seed is not None else random.SystemRandom().getrandbits(63)
@@ -128,7 +146,8 @@ class TorchEngine:
                 loop.call_soon_threadsafe(events.put_nowait, ev)
 
         seq = Sequence(request_id=req.request_id or uuid.uuid4().hex, prompt=list(req.prompt_token_ids),
-                       sampling=req.sampling, generator=torch.Generator().manual_seed(seed), deliver=deliver)
+                       sampling=req.sampling, generator=torch.Generator().manual_seed(seed), deliver=deliver,
+                       return_routed_experts=req.return_routed_experts)
         with self._cv:
             if seq.request_id in self._live:
                 raise ValueError(f"request_id {seq.request_id!r} is already in flight")
@@ -240,7 +259,7 @@ class TorchEngine:
             ids, self._to_abort = self._to_abort, set()
             for seq in [self._live[i] for i in ids if i in self._live]:
                 seq.finish_reason = "abort"
-                seq.deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
+                seq.deliver(final_abort(seq))
             self._waiting = deque(s for s in self._waiting if not s.finish_reason)
             self._stale = [s for s in self._stale if not s.finish_reason]
             self._drop_finished()
@@ -275,7 +294,7 @@ class TorchEngine:
             for seq in seqs:
                 if not seq.finish_reason:
                     seq.finish_reason = "abort"
-                    seq.deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
+                    seq.deliver(final_abort(seq))
             self._running, self._cache, self._mask = [], None, None
             self._drop_finished()
 
@@ -285,9 +304,10 @@ class TorchEngine:
             input_ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)  # [B, 1]
             positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in self._running], device=self.device)  # [B, 1]
             self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
+            self._picked.clear()
             logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
                                 cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-            self._sample(self._running, logits)
+            self._sample(self._running, logits, self._last_routes(B))
         if admitted:  # prefill over prompt + tokens so far (the tokens are there after a weight swap)
             contexts = [s.context() for s in admitted]
             L = max(len(c) for c in contexts)
@@ -295,16 +315,26 @@ class TorchEngine:
             mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=self.device)  # [A, L]
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [A, L], 0-based within each sequence
             cache = DynamicCache(config=self.model.config)
+            self._picked.clear()
             logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                                 cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [A, V]
-            self._sample(admitted, logits)
+            self._sample(admitted, logits, self._last_routes(len(admitted)))
             self._merge(admitted, cache, mask)
         self._drop_finished()
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _last_routes(self, B: int) -> Optional[list]:
+        """After a forward over [B, L] positions: each row's experts at its last position (the one whose
+        logits are sampled from), [B][layers][k]; None for a model without routers."""
+        if not self._routers:
+            return None
+        picked = [ids.view(B, -1, ids.shape[-1])[:, -1] for ids in self._picked]  # layers x [B, k]
+        return torch.stack(picked, dim=1).tolist()  # [B, layers, k]
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, routes: Optional[list]) -> None:
         """One token per sequence from logits [B, V], with each sequence's own parameters and generator.
         logprob = log p(token) under the distribution sampled from (after temperature, top-k, top-p).
-        Greedy (temperature 0) takes the argmax and reports its logprob under the plain softmax."""
+        Greedy (temperature 0) takes the argmax and reports its logprob under the plain softmax.
+        routes [B][layers][k]: the experts of the forward that produced these logits (MoE), or None."""
         logits = logits.float()
         params = [s.sampling for s in seqs]
         greedy = torch.tensor([p.temperature == 0 for p in params], device=self.device)  # [B]
@@ -322,14 +352,17 @@ class TorchEngine:
         tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
         logp = torch.where(greedy[:, None], F.log_softmax(logits, dim=-1), logp)
         logprobs = logp.gather(1, tokens[:, None])[:, 0]  # [B]
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+        for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             seq.tokens.append(token)
             if token in seq.sampling.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.context()) >= self.max_len:
                 seq.finish_reason = "length"
-            seq.deliver({"token_ids": [token], "logprobs": [logprob], "versions": [self.version],
-                         "finish_reason": seq.finish_reason})
+            event = {"token_ids": [token], "logprobs": [logprob], "versions": [self.version],
+                     "finish_reason": seq.finish_reason}
+            if seq.return_routed_experts:
+                event["routed_experts"] = [routes[i]]
+            seq.deliver(event)
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the batch cache, left-padding the shorter side."""

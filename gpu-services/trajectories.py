@@ -3,7 +3,8 @@
 One safetensors file per episode segment:
   tensors  tokens int32 [T] (prompt, sampled and observation tokens), logprobs float32 [T] (rollout logprob,
            0 where not sampled), versions int32 [T] (-1 where not sampled), loss_mask uint8 [T] (1 = sampled,
-           trained), optional routed_experts int16 [T, layers, top_k]
+           trained), optional routed_experts int16 [T, layers, top_k] (MoE: the experts of the engine's forward
+           that produced token t's logits, i.e. at position t-1; rows of -1 where there is no record)
   metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings)
 """
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ class Segment:
     rollout_logp: torch.Tensor  # float32 [T]
     versions: torch.Tensor  # long [T]
     loss_mask: torch.Tensor  # float32 [T], 0/1
-    routed_experts: torch.Tensor | None  # long [T, layers, top_k]: the experts the engine routed each token to
+    routed_experts: torch.Tensor | None  # long [T, layers, top_k]: the experts that produced each token, -1: none
     group: int
     episode: int
     segment: int

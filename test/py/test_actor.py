@@ -241,7 +241,8 @@ def test_unknown_model_dir_is_a_clear_error(tmp_path):
 
 
 def natural_routes(model, tokens: list[int]) -> torch.Tensor:
-    """The experts the model's own routers pick for each token: [T, layers, top_k]."""
+    """The experts the model's own routers pick in the forward that produces each token's logits (the position
+    before it), as an engine records them: [T, layers, top_k], -1 for token 0."""
     picked = []
     hooks = [m.register_forward_hook(lambda _m, _i, out: picked.append(out[2]))
              for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
@@ -249,7 +250,8 @@ def natural_routes(model, tokens: list[int]) -> torch.Tensor:
         model(input_ids=torch.tensor([tokens]))
     for h in hooks:
         h.remove()
-    return torch.stack(picked, dim=1)
+    by_position = torch.stack(picked, dim=1)  # [T, layers, k]
+    return torch.cat([torch.full_like(by_position[:1], -1), by_position[:-1]])
 
 
 def test_moe_routing_replay(tiny_moe_model, tmp_path):
@@ -277,14 +279,15 @@ def test_moe_routing_replay(tiny_moe_model, tmp_path):
             with client(url) as c:
                 # lr so small that the weights stay put: every step sees the version-0 policy
                 return c.post("/train_step", json={"run_id": "moe", "step": step, "store_root": str(tmp_path),
-                                                   "trajectories": refs, "algo": {"lr": 1e-12}})
+                                                   "trajectories": refs,
+                                                   "algo": {"lr": 1e-12, "routing_replay": True}})
 
         # replaying the experts the routers pick anyway changes nothing
         r = step(1, "natural", lambda t: natural_routes(model, t))
         assert r.status_code == 200, r.text
         assert r.json()["metrics"]["rollout_logp_max_abs_diff"] < 1e-5
         # the other experts (4 experts, top 2: the complement) change the logprobs: the routes were applied
-        complement = lambda t: torch.stack([torch.tensor([e for e in range(4) if e not in row])
+        complement = lambda t: torch.stack([torch.tensor([e for e in range(4) if e not in row] if row[0] >= 0 else row)
                                             for row in natural_routes(model, t).reshape(-1, 2).tolist()]
                                            ).reshape(len(t), -1, 2)
         r = step(2, "complement", complement)
