@@ -1,7 +1,9 @@
 // Activity rolloutGroup: the G episodes of one prompt group, run concurrently against the engines.
 // Each finished episode is written to the trajectory store first (one file per segment), then
 // recorded in the heartbeat manifest; a retried activity reads the manifest and runs only the
-// episodes not yet recorded. The two agent forms differ only in how one episode is run.
+// episodes not yet recorded. An unfinished episode resumes from its journal in the store
+// (activities/episode-journal.ts): its answered LLM calls are replayed to the agent and the call in
+// progress continues from its saved ids. The two agent forms differ only in how one episode is run.
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import { ApplicationFailure } from '@temporalio/common';
@@ -14,6 +16,7 @@ import { LoopbackServer } from '../agents/loopback';
 import { resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
 import { tokenizerFor } from '../agents/tokenizer';
+import { EpisodeJournal, journalKey, readJournal } from './episode-journal';
 import { ServiceError, type GenerateRequest, type GenerateResponse } from './gpu-client';
 import { trajectoryKey, writeTrajectory, type Trajectory } from './store';
 import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
@@ -26,10 +29,11 @@ interface EpisodeRecord {
   maxVersion: number;
 }
 
-// What the activity heartbeats: small, and enough to resume.
+// What the activity heartbeats: small (refs, no tokens), and enough to resume.
 export interface RolloutManifest {
   done: Record<number, EpisodeRecord>; // episode index -> its store refs and reward
   failed: Record<number, string>; // episode index -> the agent's error
+  partial?: Record<number, { ref: string; tokens: number }>; // unfinished episode -> its journal, sampled tokens saved
 }
 
 // How one episode is run, by either agent form: given its index and the engine call bound to its
@@ -48,7 +52,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   });
 
   const previous = ctx.info.heartbeatDetails as RolloutManifest | undefined;
-  const manifest: RolloutManifest = { done: { ...previous?.done }, failed: { ...previous?.failed } };
+  const manifest: RolloutManifest = { done: { ...previous?.done }, failed: { ...previous?.failed }, partial: { ...previous?.partial } };
   if (previous) ctx.log.info('rolloutGroup resumed', { groupIndex, reused: Object.keys(manifest.done).length });
 
   const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
@@ -58,8 +62,19 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
 
   const runEpisode = async (episode: number) => {
     const session = `${runId}/g${groupIndex}/e${episode}`;
+    // The journal's key is deterministic: a retry finds it even if the heartbeat naming it was lost.
+    const key = journalKey(runId, groupIndex, episode);
+    const journal = new EpisodeJournal(endpoints.storeRoot, key, readJournal(endpoints.storeRoot, key), config.rollout.partial_tokens, () => {
+      if (episode in manifest.done) return;
+      manifest.partial![episode] = { ref: key, tokens: journal.tokens() };
+      ctx.heartbeat(manifest);
+    });
     try {
-      const result = await runAgentEpisode(episode, (body) => router.generate(session, body, ctx.cancellationSignal));
+      const result = await runAgentEpisode(episode,
+        (body) => journal.generate(body, (part) => router.generate(session, part, ctx.cancellationSignal)));
+      if (journal.stats.replayedCalls || journal.stats.resumedTokens) {
+        ctx.log.info('episode resumed from its journal', { groupIndex, episode, ...journal.stats });
+      }
       const refs = result.segments.map((_, segment) => trajectoryKey(runId, groupIndex, episode, segment));
       for (const [segment, trajectory] of result.segments.entries()) {
         await writeTrajectory(endpoints.storeRoot, refs[segment], trajectory,
@@ -70,6 +85,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
         refs, reward: result.reward, tokens: sampled.length,
         minVersion: sampled.length ? Math.min(...sampled) : -1, maxVersion: sampled.length ? Math.max(...sampled) : -1,
       };
+      delete manifest.partial![episode];
     } finally {
       router.endSession(session);
     }
@@ -91,6 +107,14 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   });
   ctx.heartbeat(manifest);
   if (fatal) throw fatal; // the engines failed us: Temporal retries, finished episodes are kept
+  const failed = Object.keys(manifest.failed).length;
+  if (failed > config.rollout.max_failed_fraction * config.group_size) {
+    const first = Object.entries(manifest.failed)[0];
+    throw ApplicationFailure.nonRetryable(
+      `group ${groupIndex}: ${failed} of ${config.group_size} episodes failed, over the failure budget ` +
+      `rollout.max_failed_fraction=${config.rollout.max_failed_fraction}; episode ${first[0]}: ${first[1]}`,
+      'FailureBudgetExceeded');
+  }
 
   const done = Object.keys(manifest.done).map(Number).sort((a, b) => a - b).map((e) => manifest.done[e]);
   const versions = done.filter((d) => d.tokens > 0);
@@ -98,7 +122,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     groupIndex,
     refs: done.flatMap((d) => d.refs),
     rewards: done.map((d) => d.reward),
-    failed: Object.keys(manifest.failed).length,
+    failed,
     tokens: done.reduce((n, d) => n + d.tokens, 0),
     minVersion: versions.length ? Math.min(...versions.map((d) => d.minVersion)) : -1,
     maxVersion: versions.length ? Math.max(...versions.map((d) => d.maxVersion)) : -1,

@@ -61,6 +61,14 @@ export const RecipeConfig = z.strictObject({
     offload_optimizer: z.boolean().default(false),
   }).default({ world_size: 1, offload_optimizer: false }),
   max_context: z.number().int().positive().default(1024),
+  rollout: z.strictObject({
+    // A group whose failed episodes (the agent threw, the engine refused) exceed this fraction of
+    // group_size fails the run: a broken agent should stop a run, not train on what is left.
+    max_failed_fraction: z.number().min(0).max(1).default(0.5),
+    // The episode journal (activities/episode-journal.ts) is saved every this many sampled tokens;
+    // a killed rollout worker regenerates at most this many tokens per unfinished episode.
+    partial_tokens: z.number().int().positive().default(64),
+  }).default({ max_failed_fraction: 0.5, partial_tokens: 64 }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
 });
 export type RecipeConfig = z.infer<typeof RecipeConfig>;

@@ -155,7 +155,8 @@ print(json.dumps(out))`;
 
 describe('ChatAgent failures', () => {
   const fixtureRun = (runId: string, mode: string, router?: RecordingRouter) =>
-    run(runId, 'copy-chat', { overrides: { agent: 'chat-fixture-agent.ts', 'env.mode': mode }, agentDir: FIXTURES, router });
+    // No failure budget here: these tests look at each failed episode (test/unit/bad-input.test.ts tests the budget).
+    run(runId, 'copy-chat', { overrides: { agent: 'chat-fixture-agent.ts', 'env.mode': mode, 'rollout.max_failed_fraction': '1' }, agentDir: FIXTURES, router });
 
   test('a conversation rewritten mid-episode: each segment is its own trajectory, all with the episode\'s reward', async () => {
     const { result, beats, router } = await fixtureRun('compact', 'compact');
