@@ -5,7 +5,9 @@
 // safetensors layout: u64 little-endian header length N | N bytes of JSON header (padded with spaces
 // to a multiple of 8) | raw little-endian tensor data. The header maps each tensor name to
 // {dtype, shape, data_offsets: [begin, end]} (offsets into the data part) plus "__metadata__"
-// (string -> string).
+// (string -> string). The metadata also holds `sha256`: the hex digest of the whole data part, so a
+// corrupted file is refused by every reader (here and gpu-services/trajectories.py) instead of trained on.
+import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 
@@ -32,18 +34,21 @@ export function encodeSafetensors(tensors: Record<string, Tensor>, metadata: Rec
     header[name] = { dtype: t.dtype, shape: t.shape, data_offsets: [offset, offset + t.data.byteLength] };
     offset += t.data.byteLength;
   }
+  const data = Buffer.alloc(offset);
+  let at = 0;
+  for (const name of names) {
+    const d = tensors[name].data; // typed arrays are host-endian; every supported host is little-endian
+    Buffer.from(d.buffer, d.byteOffset, d.byteLength).copy(data, at);
+    at += d.byteLength;
+  }
+  header.__metadata__ = { ...metadata, sha256: createHash('sha256').update(data).digest('hex') };
   let json = JSON.stringify(header);
   json += ' '.repeat((8 - (Buffer.byteLength(json) % 8)) % 8);
   const headerBytes = Buffer.from(json, 'utf8');
   const out = Buffer.alloc(8 + headerBytes.length + offset);
   out.writeBigUInt64LE(BigInt(headerBytes.length), 0);
   headerBytes.copy(out, 8);
-  let at = 8 + headerBytes.length;
-  for (const name of names) {
-    const d = tensors[name].data; // typed arrays are host-endian; every supported host is little-endian
-    Buffer.from(d.buffer, d.byteOffset, d.byteLength).copy(out, at);
-    at += d.byteLength;
-  }
+  data.copy(out, 8 + headerBytes.length);
   return out;
 }
 
@@ -51,8 +56,19 @@ export function decodeSafetensors(buf: Buffer, what: string): { tensors: Record<
   if (buf.length < 8) throw new Error(`${what}: not safetensors (${buf.length} bytes)`);
   const n = Number(buf.readBigUInt64LE(0));
   if (8 + n > buf.length) throw new Error(`${what}: header length ${n} exceeds the file (${buf.length} bytes)`);
-  const header = JSON.parse(buf.subarray(8, 8 + n).toString('utf8')) as Record<string, any>;
+  let header: Record<string, any>;
+  try {
+    header = JSON.parse(buf.subarray(8, 8 + n).toString('utf8'));
+  } catch (e) {
+    throw new Error(`${what}: the header is not JSON (corrupted file?): ${(e as Error).message}`);
+  }
   const dataStart = 8 + n;
+  const expected = header.__metadata__?.sha256;
+  // Files written before checksums (or by hand, e.g. Python tests) have none: nothing to verify.
+  if (expected !== undefined) {
+    const actual = createHash('sha256').update(buf.subarray(dataStart)).digest('hex');
+    if (actual !== expected) throw new Error(`${what}: checksum mismatch (sha256 of the tensor data is ${actual}, the file says ${expected}): the file is corrupted`);
+  }
   const tensors: Record<string, Tensor> = {};
   for (const [name, spec] of Object.entries(header)) {
     if (name === '__metadata__') continue;

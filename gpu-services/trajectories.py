@@ -5,8 +5,10 @@ One safetensors file per episode segment:
            0 where not sampled), versions int32 [T] (-1 where not sampled), loss_mask uint8 [T] (1 = sampled,
            trained), optional routed_experts int16 [T, layers, top_k] (MoE: the experts of the engine's forward
            that produced token t's logits, i.e. at position t-1; rows of -1 where there is no record)
-  metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings)
+  metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings), and
+           sha256: hex digest of the data part of the file (everything after the header), checked here
 """
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,13 @@ def load_segment(store_root: str, ref: str) -> Segment:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # missing, truncated, not safetensors
         raise ValueError(f"trajectory {ref!r} ({path}) is unreadable: {e}") from None
+    if "sha256" in meta:  # files without one (written by hand, e.g. in tests) have nothing to verify
+        raw = path.read_bytes()
+        data = raw[8 + int.from_bytes(raw[:8], "little"):]  # u64 header length | header | data
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != meta["sha256"]:
+            raise ValueError(f"trajectory {ref!r} ({path}) is corrupted: sha256 of its tensor data is {actual}, "
+                             f"the file says {meta['sha256']}; not trained on")
     if meta.get("format") != FORMAT:
         raise ValueError(f"trajectory {ref!r}: metadata format is {meta.get('format')!r}, expected {FORMAT!r}")
     expected = {"tokens": torch.int32, "logprobs": torch.float32, "versions": torch.int32, "loss_mask": torch.uint8}

@@ -49,7 +49,7 @@ print(json.dumps({"meta": meta, "dtypes": {k: str(v.dtype) for k, v in t.items()
                   "values": {k: v.tolist() for k, v in t.items()}}))`;
   const out = JSON.parse(execFileSync(PYTHON, ['-c', script, path.join(root, key)], { encoding: 'utf8' }));
   expect(out.meta).toEqual({ format: 'molt-trajectory-v1', run: 'r1', group: '7', episode: '2', segment: '0',
-    reward: String(2 / 3), finish: 'terminated' });
+    reward: String(2 / 3), finish: 'terminated', sha256: expect.stringMatching(/^[0-9a-f]{64}$/) });
   expect(out.dtypes).toEqual({ tokens: 'torch.int32', logprobs: 'torch.float32', versions: 'torch.int32', loss_mask: 'torch.uint8' });
   expect(out.values.tokens).toEqual(trajectory.tokens);
   expect(out.values.logprobs).toEqual(trajectory.logprobs); // values chosen exactly representable in float32

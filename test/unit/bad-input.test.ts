@@ -1,0 +1,120 @@
+// Bad input gets a clear error naming what is wrong, and nothing wrong is trained on:
+//   a malformed recipe config       here (the new rollout fields); the CLI path: test/workflows/cli.test.ts
+//   a module without AgentRunner    test/unit/contract.test.ts, test/unit/rollout.test.ts
+//   an agent that throws            its episode fails, the group goes on (test/unit/rollout.test.ts,
+//                                   chat-rollout.test.ts); over rollout.max_failed_fraction the group fails: here
+//   an engine answering malformed JSON, a trajectory over the context budget, a corrupted store file: here
+import * as fs from 'node:fs';
+import * as http from 'node:http';
+import type { AddressInfo } from 'node:net';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { MockActivityEnvironment } from '@temporalio/testing';
+import { callService, type ActorHealth } from '../../activities/gpu-client';
+import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
+import { readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
+import type { GroupResult, ServiceEndpoints } from '../../activities/types';
+import { loadRecipe, RecipeConfig, RecipeError, REPO_ROOT } from '../../agents/recipe';
+import { EngineRouter } from '../../agents/router';
+import { startActor, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
+
+const FIXTURES = path.join(__dirname, 'fixtures');
+let engine: Service;
+let root: string;
+beforeAll(async () => {
+  engine = await startEngine(tinyModel());
+  root = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-bad-input-'));
+});
+afterAll(async () => {
+  await engine.stop();
+  fs.rmSync(root, { recursive: true, force: true });
+});
+
+const config = (agent: string, overrides: Record<string, unknown> = {}) => RecipeConfig.parse({
+  name: 'bad', agent, model: 'tiny', group_size: 2, pool: { inflight: 1 }, batch: { groups: 1 }, train: { steps: 1 },
+  checkpoint: { every: 1 }, sampling: { max_tokens: 3, stop_token_ids: [] }, algo: {}, ...overrides,
+});
+
+async function run(runId: string, cfg: RecipeConfig, engines = [engine.url]) {
+  const endpoints: ServiceEndpoints = { engines, actor: 'unused', token: TOKEN, storeRoot: path.join(root, 'store') };
+  const env = new MockActivityEnvironment();
+  const beats: RolloutManifest[] = [];
+  env.on('heartbeat', (d) => beats.push(JSON.parse(JSON.stringify(d))));
+  const result = await (env.run(rolloutGroup, endpoints, new EngineRouter(engines, TOKEN), { runId, groupIndex: 0, recipeDir: FIXTURES, config: cfg }) as Promise<GroupResult>);
+  return { result, failed: beats[beats.length - 1].failed };
+}
+
+test('a malformed rollout section of the recipe is named by its field', () => {
+  const dir = fs.mkdtempSync(path.join(root, 'recipe-'));
+  fs.copyFileSync(path.join(REPO_ROOT, 'recipes', 'copy', 'recipe.json'), path.join(dir, 'recipe.json'));
+  expect(() => loadRecipe(dir, { 'rollout.max_failed_fraction': '2' })).toThrow(RecipeError);
+  expect(() => loadRecipe(dir, { 'rollout.max_failed_fraction': '2' })).toThrow(/recipe config: rollout\.max_failed_fraction: .*1/);
+  expect(() => loadRecipe(dir, { 'rollout.partial_tokens': '0' })).toThrow(/rollout\.partial_tokens/);
+  expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64 });
+});
+
+test('failed episodes within the failure budget: the group goes on; over it: the activity fails for good, saying why', async () => {
+  const within = await run('budget-ok', config('echo-agent.ts', { env: { failEpisode: 1, turns: 1 }, rollout: { max_failed_fraction: 0.5 } }));
+  expect(within.result).toMatchObject({ failed: 1, rewards: [1] });
+  await expect(run('budget-over', config('echo-agent.ts', { env: { failEpisode: 1, turns: 1 }, rollout: { max_failed_fraction: 0.4 } })))
+    .rejects.toMatchObject({
+      name: 'ApplicationFailure', nonRetryable: true, type: 'FailureBudgetExceeded',
+      message: expect.stringMatching(/group 0: 1 of 2 episodes failed, over the failure budget rollout\.max_failed_fraction=0\.4; episode 1: env step threw: episode 1 fails on purpose/),
+    });
+});
+
+test('an engine answering malformed JSON fails the activity (retried) with a message naming it; nothing is stored', async () => {
+  let body = 'not json {';
+  const broken = http.createServer((req, res) => {
+    req.resume();
+    req.on('end', () => res.writeHead(200, { 'content-type': 'application/json' }).end(body));
+  });
+  await new Promise<void>((resolve) => broken.listen(0, '127.0.0.1', resolve));
+  const url = `http://127.0.0.1:${(broken.address() as AddressInfo).port}`;
+  try {
+    await expect(run('broken-engine', config('echo-agent.ts', { env: { turns: 1 } }), [url]))
+      .rejects.toMatchObject({ name: 'ServiceError', message: expect.stringContaining(`POST ${url}/generate: HTTP 200, body is not JSON: not json {`) });
+    body = JSON.stringify({ request_id: 'x', token_ids: [1, 2], logprobs: [0], versions: [0, 0], finish_reason: 'stop' });
+    await expect(run('broken-engine', config('echo-agent.ts', { env: { turns: 1 } }), [url]))
+      .rejects.toThrow(/response from POST .*\/generate: does not match GenerateResponse|engine returned 2 tokens but 1 logprobs/);
+    expect(fs.existsSync(path.join(root, 'store', 'broken-engine', 'trajectories'))).toBe(false);
+  } finally {
+    broken.close();
+  }
+});
+
+test('a trajectory over the context budget: its episode fails with the reason, the others go on', async () => {
+  // Episode 0 fits; episode 1's first observation is over max_context; episode 2's fits max_context
+  // but not the model (1024 positions), so the engine refuses it (400).
+  const { result, failed } = await run('context', config('sized-agent.ts', { group_size: 3, max_context: 2000, env: { sizes: [5, 2500, 1100] }, rollout: { max_failed_fraction: 1 } }));
+  expect(result).toMatchObject({ failed: 2, rewards: [1] });
+  expect(failed[1]).toBe('the first observation is 2500 tokens, max_context is 2000');
+  expect(failed[2]).toMatch(/HTTP 400: .*1100/);
+  expect(readTrajectory(path.join(root, 'store'), result.refs[0]).trajectory.tokens).toHaveLength(5 + 3);
+});
+
+describe('a corrupted store file', () => {
+  let actor: Service;
+  const storeRoot = () => path.join(root, 'store');
+  beforeAll(async () => { actor = await startActor(tinyModel(), path.join(root, 'actor-state')); });
+  afterAll(async () => { await actor?.stop(); });
+
+  test('is detected by its checksum in both readers, reported by ref, and not trained on', async () => {
+    const ref = trajectoryKey('corrupt', 0, 0, 0);
+    await writeTrajectory(storeRoot(), ref, { tokens: [99, 111, 112, 121], logprobs: [0, 0, -1.5, -2.5], versions: [-1, -1, 0, 0], lossMask: [0, 0, 1, 1] },
+      { run: 'corrupt', group: 0, episode: 0, segment: 0, reward: 1, finish: 'stop' });
+    expect(readTrajectory(storeRoot(), ref).trajectory.tokens).toEqual([99, 111, 112, 121]);
+    const file = path.join(storeRoot(), ref);
+    const bytes = fs.readFileSync(file);
+    bytes[bytes.length - 10] ^= 0x01; // one bit of the tensor data
+    fs.writeFileSync(file, bytes);
+
+    expect(() => readTrajectory(storeRoot(), ref)).toThrow(/corrupt\/trajectories\/g0\/e0-s0\.safetensors: checksum mismatch .* the file is corrupted/);
+    const train = callService(actor.url, '/train_step', TOKEN, {
+      body: { run_id: 'corrupt', step: 1, store_root: storeRoot(), trajectories: [ref], algo: {} }, request: 'TrainStepRequest',
+    });
+    await expect(train).rejects.toMatchObject({ status: 400, message: expect.stringContaining(`trajectory '${ref}'`) });
+    await expect(train).rejects.toThrow(/is corrupted: sha256 of its tensor data is [0-9a-f]{64}, the file says [0-9a-f]{64}; not trained on/);
+    expect((await callService<ActorHealth>(actor.url, '/health', TOKEN)).last_step).toBe(0); // nothing applied
+  });
+});
