@@ -32,7 +32,9 @@ export interface Stack {
   storeRoot: string;
   stateDir: string;
   processes: Map<string, ChildProcess>;
-  startWorker(name: string, queues: string): Promise<ChildProcess>;
+  // A worker process on the given task queues (comma-separated); `engineUrls` (default: the stack's
+  // engines) are the engine URLs its router uses.
+  startWorker(name: string, queues: string, engineUrls?: string[]): Promise<ChildProcess>;
   // Ends process `name` (SIGKILL: a crash; SIGTERM: a clean stop) and starts it again with the same
   // command, arguments and port; resolves when it is ready. An engine or actor comes back bare (its
   // base weights, version 0): the activities bring it back to the run's state (activities/actor.ts).
@@ -74,6 +76,32 @@ function readFrom(file: string, offset: number): string {
     return fs.readFileSync(file).subarray(offset).toString('utf8');
   } catch {
     return '';
+  }
+}
+
+// Every process below `pid`, from /proc: torchrun starts its ranks in sessions of their own, so a
+// signal to torchrun's process group does not reach them, and a SIGKILLed torchrun cannot pass it on.
+function descendants(pid: number): number[] {
+  const children = new Map<number, number[]>();
+  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
+    try {
+      const stat = fs.readFileSync(`/proc/${entry}/stat`, 'utf8');
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]); // fields after "(comm)": state ppid ...
+      children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)]);
+    } catch { /* exited meanwhile */ }
+  }
+  const out: number[] = [];
+  const walk = (p: number) => { for (const c of children.get(p) ?? []) { out.push(c); walk(c); } };
+  walk(pid);
+  return out;
+}
+
+// Signals a process, its process group and every descendant (each in its own group, if it has one).
+export function killTree(pid: number, signal: NodeJS.Signals): void {
+  const below = descendants(pid);
+  for (const p of [pid, ...below]) {
+    try { process.kill(-p, signal); } catch { /* not a group leader, or gone */ }
+    try { process.kill(p, signal); } catch { /* gone */ }
   }
 }
 
@@ -121,10 +149,10 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     const spec = specs.get(name);
     const old = processes.get(name);
     if (!spec || !old) throw new Error(`restart: no process named ${name} (have ${[...processes.keys()].join(', ')})`);
-    try { process.kill(-old.pid!, signal); } catch { /* already gone */ }
+    const below = descendants(old.pid!);
+    killTree(old.pid!, signal);
     await exited(old);
-    // torchrun's workers and the engine's children are in the same process group: make sure none is left.
-    try { process.kill(-old.pid!, 'SIGKILL'); } catch { /* all gone */ }
+    for (const p of below) try { process.kill(p, 'SIGKILL'); } catch { /* gone, as it should be */ } // none may hold the port
     const { proc, ready } = launch(name, spec.cmd, spec.args, spec.env, spec.ready);
     await ready();
     say(`restarted ${name}`);
@@ -133,12 +161,14 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
 
   const stop = async () => {
     const live = [...processes.values()].filter(alive);
-    for (const p of live) try { process.kill(-p.pid!, 'SIGTERM'); } catch { /* already gone */ }
+    const below = live.flatMap((p) => descendants(p.pid!));
+    for (const p of live) killTree(p.pid!, 'SIGTERM');
     const deadline = Date.now() + 15_000;
     while (live.some(alive) && Date.now() < deadline) {
       await new Promise((r) => setTimeout(r, 100));
     }
-    for (const p of live) try { process.kill(-p.pid!, 'SIGKILL'); } catch { /* already gone */ }
+    for (const p of live) killTree(p.pid!, 'SIGKILL');
+    for (const p of below) try { process.kill(p, 'SIGKILL'); } catch { /* gone */ }
     processes.clear();
   };
 
@@ -179,10 +209,10 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     await Promise.all(ready);
     say(`engines ${engines.join(' ')}; actor ${actor}`);
 
-    const startWorker = async (name: string, queues: string) => {
+    const startWorker = async (name: string, queues: string, engineUrls = engines) => {
       const log = path.join(logDir, `${name}.log`);
       const launched = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
-        MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engines.join(','), MOLT_ACTOR: actor,
+        MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engineUrls.join(','), MOLT_ACTOR: actor,
         MOLT_STORE: storeRoot, MOLT_QUEUES: queues,
       }, async (logFrom) => readFrom(log, logFrom).includes('worker ready'));
       await launched.ready();

@@ -11,6 +11,7 @@ import { rolloutGroup } from '../../activities/rollout';
 import type { ServiceEndpoints } from '../../activities/types';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
+import { killTree } from '../../infra/stack';
 import { startActor, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
 let engine: Service;
@@ -89,8 +90,9 @@ test('a restarted actor catches up from the latest checkpoint and the step manif
   const trained = [];
   for (const step of [2, 3]) trained.push(await inActivity(() => trainStep(endpoints, { runId: 'r', step, refs, algo: config.algo })));
   const restart = async () => {
-    actor.proc.kill('SIGKILL');
-    await new Promise((r) => actor.proc.once('exit', r));
+    const exited = new Promise((r) => actor.proc.once('exit', r));
+    killTree(actor.proc.pid!, 'SIGKILL'); // torchrun and its rank: a SIGKILLed torchrun would leave the rank running
+    await exited;
     actor = await startActor(tinyModel(), path.join(root, 'actor-state'));
     endpoints.actor = actor.url;
   };
