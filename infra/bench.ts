@@ -1,93 +1,25 @@
-// `npm run bench`: what Temporal costs. The same K training steps are driven twice against fresh,
-// identical stacks (engines + actor): once by the trainRun workflow through Temporal, once by a
-// plain in-process loop that calls the very same activity functions with the same streaming pool
-// (pool.inflight groups in flight, a step whenever batch.groups are ready). Reported: ms per step
-// of each, the added ms per step, and the ratio — for the embedded recipe and for a heavier
-// workload whose plain step takes seconds. Then the engine benchmark (gpu-services/bench_engine.py).
+// `npm run bench`: Molt against the plain loops it replaces, each figure beside a baseline measured
+// in the same run (infra/bench/*):
+//   1. orchestration overhead: the trainRun workflow vs a plain in-process loop over the same
+//      activities, the same pool and fresh identical stacks, at two workloads and several pool sizes;
+//   2. engine utilization and trained tokens/s: streaming pool vs synchronous generate-then-train;
+//   3. partial rollouts: tokens discarded at refit, pause mode keep vs abort (+ regenerate);
+//   4. orchestration scale: the real workflows with instant activities, 16..1024 groups in flight;
+//   5. engine and refit: gpu-services/bench_engine.py.
 // Writes bench-out/report.md and bench-out/report.json.
 //
 //   npm run bench [-- --steps 8] [-- --smoke]     (--smoke: tiny sizes, checks the report is produced)
 import { spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
-import * as os from 'node:os';
 import * as path from 'node:path';
-import { Client, Connection } from '@temporalio/client';
-import { MockActivityEnvironment } from '@temporalio/testing';
-import { createActivities } from '../activities';
-import type { GroupResult } from '../activities/types';
-import { loadRecipe, REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
-import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
-import { startStack, type Stack } from './stack';
+import { loadRecipe, REPO_ROOT, resolveModelDir } from '../agents/recipe';
+import { plainLoop, RECIPE_DIR, temporalLoop } from './bench/loops';
+import { partialRollouts, type PartialOptions } from './bench/partial';
+import { orchestrationScale } from './bench/scale';
 
-const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 const OUT_DIR = path.join(REPO_ROOT, 'bench-out');
 
-interface Workload { name: string; overrides: Record<string, string> }
-
-async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (stack: Stack) => Promise<T>): Promise<T> {
-  const stack = await startStack({
-    modelDir: resolveModelDir(config.model), stateDir: fs.mkdtempSync(path.join(os.tmpdir(), 'molt-bench-')),
-    engines: config.engines.count, workers, quiet: true,
-  });
-  try {
-    return await fn(stack);
-  } finally {
-    await stack.stop();
-  }
-}
-
-// The whole run through Temporal; seconds from start to result.
-async function temporalLoop(config: RecipeConfig): Promise<number> {
-  return withStack(config, true, async (stack) => {
-    const client = new Client({ connection: await Connection.connect({ address: stack.temporalAddress }) });
-    const runId = `bench-temporal-${Date.now()}`;
-    const started = performance.now();
-    await client.workflow.execute(trainRun, {
-      workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }],
-    });
-    const seconds = (performance.now() - started) / 1000;
-    await client.connection.close();
-    return seconds;
-  });
-}
-
-// The same loop without Temporal: the same activity functions, the same pool and batch rule.
-async function plainLoop(config: RecipeConfig): Promise<number> {
-  return withStack(config, false, async (stack) => {
-    const acts = createActivities({ engines: stack.engines, actor: stack.actor, token: stack.token, storeRoot: stack.storeRoot });
-    const activity = new MockActivityEnvironment(); // an activity context outside a worker (heartbeats go nowhere)
-    const runId = `bench-plain-${Date.now()}`;
-    const ready: GroupResult[] = [];
-    let inflight = 0;
-    let nextGroup = 0;
-    let wake = () => {};
-    const fill = () => {
-      while (inflight < config.pool.inflight && ready.length < config.batch.groups) {
-        inflight++;
-        const input = { runId, groupIndex: nextGroup++, recipeDir: RECIPE_DIR, config };
-        void (new MockActivityEnvironment().run(acts.rolloutGroup, input) as Promise<GroupResult>).then((r) => {
-          inflight--;
-          ready.push(r);
-          fill();
-          wake();
-        });
-      }
-    };
-    const started = performance.now();
-    fill();
-    for (let step = 1; step <= config.train.steps; step++) {
-      while (ready.length < config.batch.groups) await new Promise<void>((r) => { wake = r; });
-      const batch = ready.splice(0, config.batch.groups);
-      fill();
-      await activity.run(acts.trainStep, { runId, step, refs: batch.flatMap((g) => g.refs), algo: config.algo });
-      await activity.run(acts.refit, { runId, version: step });
-    }
-    await activity.run(acts.checkpoint, { runId, step: config.train.steps });
-    const seconds = (performance.now() - started) / 1000;
-    while (inflight > 0) await new Promise<void>((r) => { wake = r; }); // let the last groups finish before the stack stops
-    return seconds;
-  });
-}
+interface Workload { name: string; overrides: Record<string, string>; pools: number[] } // pools: pool.inflight values to run
 
 function engineBench(smoke: boolean): { markdown: string; json: unknown } {
   if (smoke) return { markdown: '(engine benchmark skipped in --smoke)\n', json: null };
@@ -104,37 +36,76 @@ async function main() {
   const stepsArg = argv.indexOf('--steps');
   const steps = String(stepsArg >= 0 ? Number(argv[stepsArg + 1]) : smoke ? 2 : 10);
   const workloads: Workload[] = smoke
-    ? [{ name: 'smoke', overrides: { 'train.steps': steps, 'batch.groups': '2', 'pool.inflight': '3', group_size: '2' } }]
+    ? [{ name: 'smoke', overrides: { 'batch.groups': '2', group_size: '2' }, pools: [3] }]
     : [
-      { name: 'embedded recipe (16 groups x 8, 3 tokens)', overrides: { 'train.steps': steps } },
+      { name: 'embedded recipe (16 groups x 8, 3 tokens)', overrides: {}, pools: [24, 64, 128] },
       // Heavier: 8x the episodes and 16 tokens each, so a plain step takes seconds on 2 cores.
-      { name: 'heavier (32 groups x 16, 16 tokens)', overrides: { 'train.steps': steps, 'batch.groups': '32', 'pool.inflight': '48', group_size: '16', 'sampling.max_tokens': '16' } },
+      { name: 'heavier (32 groups x 16, 16 tokens)', overrides: { 'batch.groups': '32', group_size: '16', 'sampling.max_tokens': '16' }, pools: [48] },
     ];
+  const partialOptions: PartialOptions = smoke
+    ? { requests: 4, maxTokens: 64, refits: 2, intervalMs: 50 }
+    : { requests: 32, maxTokens: 384, refits: 4, intervalMs: 500 };
+  const scaleSizes = smoke ? [4, 8] : [16, 64, 256, 1024];
   fs.mkdirSync(OUT_DIR, { recursive: true });
-  const rows = [];
+
+  const orchestration = [];
+  const utilization = [];
   for (const w of workloads) {
-    const config = loadRecipe(RECIPE_DIR, { ...w.overrides, 'checkpoint.every': '1000' });
-    console.error(`[bench] ${w.name}: plain loop`);
-    const plain = await plainLoop(config);
-    console.error(`[bench] ${w.name}: Temporal loop`);
-    const temporal = await temporalLoop(config);
-    const n = config.train.steps;
-    rows.push({
-      workload: w.name, steps: n, plainMsPerStep: (plain * 1000) / n, temporalMsPerStep: (temporal * 1000) / n,
-      addedMsPerStep: ((temporal - plain) * 1000) / n, ratio: temporal / plain,
-    });
+    const config = (pool: number) => loadRecipe(RECIPE_DIR, { ...w.overrides, 'pool.inflight': String(pool), 'train.steps': steps, 'checkpoint.every': '1000' });
+    for (const [i, pool] of w.pools.entries()) {
+      console.error(`[bench] ${w.name}, ${pool} groups in flight: plain loop`);
+      const plain = await plainLoop(config(pool), 'streaming');
+      console.error(`[bench] ${w.name}, ${pool} groups in flight: Temporal loop`);
+      const temporal = await temporalLoop(config(pool));
+      const n = Number(steps);
+      orchestration.push({
+        workload: w.name, inflight: pool, steps: n, plainMsPerStep: (plain.seconds * 1000) / n, temporalMsPerStep: (temporal.seconds * 1000) / n,
+        addedMsPerStep: ((temporal.seconds - plain.seconds) * 1000) / n, ratio: temporal.seconds / plain.seconds,
+      });
+      if (i > 0) continue;
+      // The synchronous baseline: the same config, batch.groups in flight, refilled after each step.
+      console.error(`[bench] ${w.name}: synchronous plain loop`);
+      const sync = await plainLoop(config(pool), 'sync');
+      utilization.push({
+        workload: w.name, inflight: pool, streamingBusy: plain.engineBusy!, syncBusy: sync.engineBusy!, busyRatio: plain.engineBusy! / sync.engineBusy!,
+        streamingTokensPerSecond: plain.trainedTokens / plain.seconds, syncTokensPerSecond: sync.trainedTokens / sync.seconds,
+        temporalTokensPerSecond: temporal.trainedTokens / temporal.seconds,
+        throughputRatio: (plain.trainedTokens / plain.seconds) / (sync.trainedTokens / sync.seconds),
+      });
+    }
   }
+
+  console.error('[bench] partial rollouts across refits: keep vs abort');
+  const partial = await partialRollouts(loadRecipe(RECIPE_DIR), partialOptions);
+  // Steps per size: enough groups for a steady state, few enough that 1024 in flight fits in a minute or two.
+  const scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 64 ? 6 : 4));
   const engine = engineBench(smoke);
-  const f = (x: number) => x.toFixed(0);
+
+  const f = (x: number, d = 0) => x.toFixed(d);
+  const [keep, abort] = partial;
   const markdown = [
     '# Molt benchmarks', '',
-    '## Orchestration: Temporal loop vs plain in-process loop (same activities, same pool, fresh stacks)', '',
-    '| workload | steps | plain ms/step | Temporal ms/step | added ms/step | ratio |', '|---|---:|---:|---:|---:|---:|',
-    ...rows.map((r) => `| ${r.workload} | ${r.steps} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${r.ratio.toFixed(2)} |`),
-    '', '## Engine and refit (gpu-services/bench_engine.py)', '', engine.markdown,
+    '## 1. Orchestration overhead: Temporal loop vs plain in-process loop (same activities, same pool, fresh stacks)', '',
+    '| workload | groups in flight | steps | plain ms/step | Temporal ms/step | added ms/step | ratio |', '|---|---:|---:|---:|---:|---:|---:|',
+    ...orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} |`),
+    '', '## 2. Engine utilization: streaming pool vs synchronous (generate, then train, then generate), plain loops, same config', '',
+    'Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side).', '',
+    '| workload | groups in flight | busy streaming | busy sync | ratio | trained tok/s streaming | trained tok/s sync | ratio | trained tok/s Temporal |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...utilization.map((r) => `| ${r.workload} | ${r.inflight} | ${f(r.streamingBusy, 2)} | ${f(r.syncBusy, 2)} | ${f(r.busyRatio, 2)} | ${f(r.streamingTokensPerSecond)} | ${f(r.syncTokensPerSecond)} | ${f(r.throughputRatio, 2)} | ${f(r.temporalTokensPerSecond)} |`),
+    '', `## 3. Partial rollouts: ${partialOptions.requests} generations of ${partialOptions.maxTokens} tokens, a refit every ${partialOptions.intervalMs} ms (at most ${partialOptions.refits})`, '',
+    'abort is the baseline without partial rollouts: an aborted generation is regenerated from scratch.', '',
+    '| pause mode | refits | useful tokens | discarded tokens | regenerated | most versions in one generation | seconds |', '|---|---:|---:|---:|---:|---:|---:|',
+    ...partial.map((r) => `| ${r.mode} | ${r.refits} | ${r.usefulTokens} | ${r.discardedTokens} | ${r.regenerated} | ${r.maxVersionsInOne} | ${f(r.seconds, 2)} |`),
+    '', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`,
+    '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2', '',
+    '| groups in flight | steps | trajectories/s | steps/s | trainRun events/step | events/group | events/step (all) | worker CPU s/step | server CPU s/step | cores busy |',
+    '|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...scale.map((r) => `| ${r.inflight} | ${r.steps} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.runEventsPerStep)} | ${r.groupEvents} | ${f(r.eventsPerStep)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
+    '', '## 5. Engine and refit (gpu-services/bench_engine.py)', '', engine.markdown,
   ].join('\n');
   fs.writeFileSync(path.join(OUT_DIR, 'report.md'), markdown);
-  fs.writeFileSync(path.join(OUT_DIR, 'report.json'), JSON.stringify({ orchestration: rows, engine: engine.json }, null, 2));
+  fs.writeFileSync(path.join(OUT_DIR, 'report.json'), JSON.stringify({ orchestration, utilization, partial, scale, engine: engine.json }, null, 2));
   console.log(markdown);
 }
 

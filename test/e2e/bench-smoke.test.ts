@@ -1,18 +1,37 @@
-// `npm run bench` itself is too long for CI; its smoke mode runs every loop of it on tiny sizes
-// against real stacks, and the report must come out whole.
+// `npm run bench` itself is too long for CI; its smoke mode runs every part of it on tiny sizes
+// against real stacks (and a real dev server), and the report must come out whole.
 import { spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { REPO_ROOT } from '../../agents/recipe';
 
-test('bench --smoke writes a report with both loops measured', () => {
+test('bench --smoke writes a report with every part measured', () => {
   const res = spawnSync(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/bench.ts', '--smoke'], { cwd: REPO_ROOT, encoding: 'utf8' });
   expect(res.status).toBe(0);
   const report = JSON.parse(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.json'), 'utf8'));
+
   expect(report.orchestration).toHaveLength(1);
   const row = report.orchestration[0];
   expect(row.plainMsPerStep).toBeGreaterThan(0);
   expect(row.temporalMsPerStep).toBeGreaterThan(0);
   expect(row.ratio).toBeCloseTo(row.temporalMsPerStep / row.plainMsPerStep, 6);
-  expect(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.md'), 'utf8')).toContain('| smoke | 2 |');
+
+  const [util] = report.utilization;
+  for (const busy of [util.streamingBusy, util.syncBusy]) {
+    expect(busy).toBeGreaterThan(0);
+    expect(busy).toBeLessThanOrEqual(1);
+  }
+  expect(util.syncTokensPerSecond).toBeGreaterThan(0);
+
+  // pause mode keep loses nothing: every generation finishes whole, nothing is regenerated
+  const [keep, abort] = report.partial;
+  expect(keep).toMatchObject({ mode: 'keep', discardedTokens: 0, regenerated: 0, usefulTokens: 4 * 64 });
+  expect(abort).toMatchObject({ mode: 'abort', usefulTokens: 4 * 64 });
+
+  expect(report.scale.map((r: { inflight: number }) => r.inflight)).toEqual([4, 8]);
+  for (const r of report.scale) {
+    expect(r.trajectoriesPerSecond).toBeGreaterThan(0);
+    expect(r.groupEvents).toBeGreaterThan(0);
+  }
+  expect(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.md'), 'utf8')).toContain('| smoke | 3 | 2 |');
 });

@@ -1,0 +1,119 @@
+// Orchestration scale: the real workflows (trainRun, promptGroup) on a real Temporal dev server,
+// with activities that do no model work — rolloutGroup returns a GroupResult at once, and the
+// actor's activities answer at once — so what is measured is Temporal and the workflows alone:
+// trajectories per second as the prompt groups in flight grow, history events per training step,
+// and the CPU the worker (this process) and the server burn per step.
+import * as fs from 'node:fs';
+import * as path from 'node:path';
+import { Client } from '@temporalio/client';
+import { TestWorkflowEnvironment } from '@temporalio/testing';
+import { bundleWorkflowCode, DefaultLogger, Runtime, Worker } from '@temporalio/worker';
+import type { Activities } from '../../activities';
+import type { GroupResult, RolloutGroupInput } from '../../activities/types';
+import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
+import { runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
+import { RECIPE_DIR } from './loops';
+
+export interface ScaleRow {
+  inflight: number; // prompt groups in flight (pool.inflight)
+  batchGroups: number;
+  steps: number;
+  trajectoriesPerSecond: number; // trained episodes / wall time between the first and the last step
+  stepsPerSecond: number;
+  runEventsPerStep: number; // trainRun history events (all runs of its continue-as-new chain) / steps
+  groupEvents: number; // history events of one promptGroup
+  eventsPerStep: number; // run events per step + batch.groups x group events
+  workerCpuPerStep: number; // CPU seconds of this process (workflow + activity worker) per step
+  serverCpuPerStep: number; // CPU seconds of the Temporal dev server per step
+  coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
+}
+
+// CPU seconds (user + system) of a process, from /proc/<pid>/stat (fields 14 and 15, clock ticks).
+function cpuSeconds(pid: number): number {
+  const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' '); // fields after "(comm)", from field 3 on
+  return (Number(fields[11]) + Number(fields[12])) / 100; // USER_HZ = 100
+}
+
+// The dev server the test environment started: our child whose command is the temporal binary.
+function serverPid(): number {
+  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
+    try {
+      const stat = fs.readFileSync(`/proc/${entry}/stat`, 'utf8');
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+      if (ppid === process.pid && stat.includes('(temporal)')) return Number(entry);
+    } catch { /* exited meanwhile */ }
+  }
+  throw new Error('scale bench: the Temporal dev server process was not found');
+}
+
+// Activities with the real signatures and no work behind them.
+function instantActivities(stepTimes: number[]): Activities {
+  let version = 0;
+  return {
+    async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
+      const g = input.config.group_size;
+      return {
+        groupIndex: input.groupIndex, refs: Array.from({ length: g }, (_, e) => `${input.runId}/g${input.groupIndex}/e${e}`),
+        rewards: Array(g).fill(0.5), failed: 0, tokens: g * input.config.sampling.max_tokens, minVersion: version, maxVersion: version, seconds: 0,
+      };
+    },
+    async trainStep(input) { return { step: input.step, version: input.step, replayed: false, metrics: { pg_loss: 0 } }; },
+    async refit(input) { version = input.version; return { version: input.version, seconds: 0, bytes: 0 }; },
+    async checkpoint(input) { return { path: `/nowhere/step-${input.step}`, step: input.step }; },
+    async recordMetrics(input) { stepTimes[input.step] = performance.now(); return { written: true }; },
+  };
+}
+
+export async function orchestrationScale(sizes: number[], steps: (inflight: number) => number): Promise<ScaleRow[]> {
+  Runtime.install({ logger: new DefaultLogger('WARN') }); // the workers' state changes would drown the bench's own lines
+  const env = await TestWorkflowEnvironment.createLocal({ server: { executable: { type: 'existing-path', path: path.join(REPO_ROOT, '.venv', 'bin', 'temporal') } } });
+  const server = serverPid();
+  const stepTimes: number[] = [];
+  const activities = instantActivities(stepTimes);
+  const common = { connection: env.nativeConnection, namespace: env.namespace ?? 'default', shutdownGraceTime: '1 second' as const };
+  const workflowBundle = await bundleWorkflowCode({ workflowsPath: path.join(REPO_ROOT, 'workflows', 'index.ts') });
+  // As infra/worker.ts sets them up: one optimizer step at a time on the actor queue.
+  const workers = await Promise.all([
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle }),
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup: activities.rolloutGroup } }),
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities, maxConcurrentActivityTaskExecutions: 1 }),
+  ]);
+  const running = workers.map((w) => w.run());
+  const client: Client = env.client;
+  const rows: ScaleRow[] = [];
+  try {
+    for (const inflight of sizes) {
+      const batchGroups = inflight / 2;
+      const n = steps(inflight);
+      const config = loadRecipe(RECIPE_DIR, { 'pool.inflight': String(inflight), 'batch.groups': String(batchGroups), 'train.steps': String(n), 'checkpoint.every': '1000' });
+      const runId = `scale-${inflight}-${Date.now()}`;
+      console.error(`[bench] orchestration scale: ${inflight} groups in flight, ${n} steps`);
+      stepTimes.length = 0;
+      const cpu0 = { worker: process.cpuUsage(), server: cpuSeconds(server) };
+      const started = performance.now();
+      await client.workflow.execute(trainRun, { workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }] });
+      const runSeconds = (performance.now() - started) / 1000; // the CPU figures cover the whole run
+      const cpu = process.cpuUsage(cpu0.worker);
+      const workerCpu = (cpu.user + cpu.system) / 1e6;
+      const serverCpu = cpuSeconds(server) - cpu0.server;
+      const wall = (stepTimes[n] - stepTimes[1]) / 1000; // steady state: the first step's ramp-up left out
+      const runs = [];
+      for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
+      const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
+        .reduce((a, h) => a + (h.events?.length ?? 0), 0);
+      const groupEvents = (await client.workflow.getHandle(`${runWorkflowId(runId)}-g0`).fetchHistory()).events?.length ?? 0;
+      rows.push({
+        inflight, batchGroups, steps: n,
+        trajectoriesPerSecond: ((n - 1) * batchGroups * config.group_size) / wall, stepsPerSecond: (n - 1) / wall,
+        runEventsPerStep: runEvents / n, groupEvents, eventsPerStep: runEvents / n + batchGroups * groupEvents,
+        workerCpuPerStep: workerCpu / n, serverCpuPerStep: serverCpu / n, coresBusy: (workerCpu + serverCpu) / runSeconds,
+      });
+    }
+  } finally {
+    for (const w of workers) w.shutdown();
+    await Promise.all(running);
+    await env.teardown();
+  }
+  return rows;
+}
