@@ -11,7 +11,7 @@ import { MockActivityEnvironment } from '@temporalio/testing';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
 import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
-import { journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
+import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
 import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from '../../activities/types';
@@ -173,4 +173,21 @@ test('ChatAgent form: the loopback server answers the journaled request, the int
     console.log(`ChatAgent resume, episode ${e}: ${partial.tokens.length} sampled tokens saved before the kill, ` +
       `${lost} received but unsaved (regenerated), ${calls.reduce((n, c) => n + c.res.token_ids.length, 0)} generated after the retry`);
   }
+});
+
+test('an agent that asks something else than its journal recorded gets fresh generations from that call on', async () => {
+  const router = new RecordingRouter([engine.url], TOKEN);
+  const engineCall = (body: GenerateRequest) => router.generate('s', body);
+  const sampling = { max_tokens: 4, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [], seed: 1 };
+  const first = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', null, 8, () => undefined);
+  const a = await first.generate({ prompt_token_ids: [104, 105], sampling }, engineCall);
+  await first.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 62], sampling }, engineCall);
+  expect(router.calls).toHaveLength(2);
+
+  const again = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', readJournal(storeRoot, 'nondeterministic/e0.json'), 8, () => undefined);
+  expect(await again.generate({ prompt_token_ids: [104, 105], sampling }, engineCall)).toMatchObject({ token_ids: a.token_ids, logprobs: a.logprobs });
+  expect(router.calls).toHaveLength(2); // answered from the journal
+  await again.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 63], sampling }, engineCall); // another observation
+  expect(router.calls).toHaveLength(3);
+  expect(again.stats).toMatchObject({ replayedCalls: 1, resumedTokens: 0, generatedTokens: 4 });
 });
