@@ -99,7 +99,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     if (o.status === 'fulfilled') return;
     // The env failed, or the engine refused this episode's request (e.g. a prompt too long for it).
     if (o.reason instanceof AgentError || (o.reason instanceof ServiceError && o.reason.status === 400)) {
-      manifest.failed[todo[i]] = o.reason.message;
+      manifest.failed[todo[i]] = o.reason.message.slice(0, 500); // the manifest stays small; the log has it all
       ctx.log.warn('episode failed', { groupIndex, episode: todo[i], error: o.reason.message });
     } else {
       fatal ??= o.reason;

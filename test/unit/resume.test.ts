@@ -110,6 +110,7 @@ test('Env form: kill -9 mid-generation; finished episodes reused, answered turns
     return !!last?.done[0] && [1, 2].every((e) => (last.partial?.[e]?.tokens ?? 0) >= SHORT + 16);
   }, 300);
   expect(Object.keys(lastBeat.done)).toEqual(['0']);
+  expect(JSON.stringify(lastBeat).length).toBeLessThan(2048); // refs and counts only, never tokens
   const saved = [1, 2].map((e) => readJournal(storeRoot, journalKey(runId, 0, e))!);
   saved.forEach((j) => {
     expect(j.calls.map((c) => c.token_ids.length)).toEqual([SHORT]); // turn 0 answered
