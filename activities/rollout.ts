@@ -142,7 +142,7 @@ function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeC
     try {
       const result = await runEnvEpisode({
         env, tokenizer, sampling: config.sampling, maxContext: config.max_context, runSeed: config.seed,
-        task: { ...task, episode }, generate,
+        task: { ...task, episode }, generate, routedExperts: config.algo.routing_replay,
       });
       return { segments: [result.trajectory], reward: result.reward, finish: result.finish };
     } finally {

@@ -35,6 +35,8 @@ const algo = z.strictObject({
   entropy_coef: z.number().default(0),
   gamma: z.number().min(0).max(1).default(1),
   reward_clip: z.number().positive().default(10),
+  // MoE: the engine records each sampled token's experts and the actor trains through them
+  routing_replay: z.boolean().default(false),
   micro_batch_tokens: z.number().int().positive().default(8192),
 });
 
