@@ -4,6 +4,7 @@ The actor is rank 0 and every engine a rank >= 1 of a group made from a TCPStore
 on GPU), apart from the actor's own training group. Weights travel in buckets: each bucket is one
 flat uint8 tensor holding its tensors back to back in spec order, broadcast from rank 0.
 """
+import os
 from datetime import timedelta
 from typing import Iterable, Iterator
 
@@ -27,8 +28,13 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
     return [b for b in buckets if b]
 
 
+# A peer that dies mid-push leaves the others blocked in a collective until this runs out, and the
+# refit waits for them; one bucket (<= 512 MiB at ~1 GB/s on gloo, far faster on NCCL) takes seconds.
+TIMEOUT_S = float(os.environ.get("MOLT_TRANSFER_TIMEOUT_S", "30"))
+
+
 def open_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
-               timeout_s: float = 120.0) -> dist.ProcessGroup:
+               timeout_s: float = TIMEOUT_S) -> dist.ProcessGroup:
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s))
     if backend == "nccl":
