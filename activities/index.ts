@@ -4,6 +4,7 @@ import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
 import { checkpoint, refit, trainStep } from './actor';
 import { ServiceError } from './gpu-client';
+import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
 import type { CheckpointInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
 
@@ -25,6 +26,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
     checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
+    recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
   };
 }
 

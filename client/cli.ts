@@ -1,10 +1,16 @@
 #!/usr/bin/env -S npx tsx
 // molt-client: start, follow, inspect and stop training runs (each run is workflow `molt-<runId>`).
-import * as path from 'node:path';
-import { Client, Connection, WorkflowExecutionAlreadyStartedError, WorkflowNotFoundError, type WorkflowHandle } from '@temporalio/client';
+import {
+  Client, Connection, WorkflowExecutionAlreadyStartedError, WorkflowNotFoundError, WorkflowUpdateFailedError, type WorkflowHandle,
+} from '@temporalio/client';
 import { loadRecipe, RecipeError, resolveModelDir, type RecipeConfig } from '../agents/recipe';
-import { progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
+import { checkpointUpdate, LIVE_SETTINGS, pauseUpdate, resumeUpdate, setUpdate, type ControlState, type Settings } from '../workflows/control';
+import { progressQuery, runWorkflowId, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
+import { RunNotFound, UsageError } from './errors';
 import { follow, formatSeconds } from './follow';
+import { plotRun } from './plot';
+import { scheduleCommand, SCHEDULE_USAGE } from './schedule';
+import { hasSearchAttributes, runStartOptions } from './start-options';
 
 const USAGE = `usage: molt-client <command>
   start <recipeDir> [--run-id ID] [--follow] [--dotted.key value ...]   start a run (e.g. --algo.lr 1e-6)
@@ -12,10 +18,13 @@ const USAGE = `usage: molt-client <command>
   status <runId>                                                        progress of a run
   list                                                                  all runs
   cancel <runId>                                                        graceful stop (finish step, checkpoint)
+  pause <runId> | resume <runId>                                        hold / release training (rollouts fill one batch)
+  set <runId> --algo.lr 1e-4 [--batch.groups 8 ...]                    change live settings from the next step
+  checkpoint <runId>                                                    save a checkpoint now (after a step in progress)
+  plot <runId> [--store DIR] [--out FILE.png]                           reward, loss, logprob mismatch, throughput curves
+${SCHEDULE_USAGE}
+live settings: ${Object.keys(LIVE_SETTINGS).join(', ')}
 environment: MOLT_TEMPORAL_ADDRESS (default localhost:7233), MOLT_TEMPORAL_UI (default http://localhost:8233)`;
-
-class UsageError extends Error {} // exit 2, like a bad config
-class RunNotFound extends Error {} // exit 1
 
 interface Temporal { client: Client; connection: Connection; uiUrl: string }
 
@@ -60,7 +69,7 @@ async function startRun(temporal: Temporal, recipeDir: string, config: RecipeCon
   let handle: WorkflowHandle<typeof trainRun>;
   try {
     handle = await temporal.client.workflow.start(trainRun, {
-      workflowId, taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: path.resolve(recipeDir), config }],
+      workflowId, ...runStartOptions(recipeDir, config, runId, await hasSearchAttributes(temporal.connection)),
       workflowIdReusePolicy: 'REJECT_DUPLICATE', // a run id names its store directory and its steps at the actor
     });
   } catch (err) {
@@ -108,9 +117,36 @@ function describeProgress(p: Progress): string {
     `  reward mean (last step): ${p.rewardMean?.toFixed(4) ?? '-'}, ${Math.round(p.tokensPerSecond)} tokens/s, elapsed ${formatSeconds(p.elapsedSeconds)}`,
     `  reward per step: ${rewardCurve(p.rewardHistory)}`,
     `  groups: ${p.inflight} running, ${p.ready} ready; dropped ${p.dropped.stale} stale, ${p.dropped.empty} empty`,
+    `  ${p.paused ? 'PAUSED; ' : ''}settings: ${describeSettings(p.settings)}`,
     `  last metrics: ${JSON.stringify(p.lastMetrics)}`,
   ].join('\n');
 }
+
+const describeSettings = (settings: Record<string, number>) => Object.entries(settings).map(([k, v]) => `${k}=${v}`).join(' ');
+
+// Sends a control update to a running run; a rejected update (validator) is a UsageError.
+async function control<R>(runId: string, send: (handle: WorkflowHandle<typeof trainRun>) => Promise<R>): Promise<R> {
+  const { handle, description } = await existingRun(await connect(), runId);
+  if (description.status.name !== 'RUNNING') throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
+  try {
+    return await send(handle);
+  } catch (err) {
+    if (err instanceof WorkflowUpdateFailedError) throw new UsageError(`run ${runId}: ${err.cause?.message ?? err.message}`);
+    throw err;
+  }
+}
+
+function parseSettings(overrides: Record<string, string>): Settings {
+  const settings: Record<string, number> = {};
+  for (const [key, value] of Object.entries(overrides)) {
+    const number = Number(value);
+    if (value.trim() === '' || !Number.isFinite(number)) throw new UsageError(`--${key}: "${value}" is not a number`);
+    settings[key] = number;
+  }
+  return settings as Settings;
+}
+
+const printControl = (runId: string, s: ControlState) => console.log(`run ${runId}: ${s.paused ? 'paused' : 'training'}; ${describeSettings(s.settings)}`);
 
 // A handle on an existing run, or RunNotFound.
 async function existingRun(temporal: Temporal, runId: string) {
@@ -197,6 +233,33 @@ async function main(argv: string[]): Promise<void> {
       console.log(`stop requested for run ${runId}: it finishes its current step, checkpoints and stops`);
       return;
     }
+    case 'pause':
+    case 'resume':
+    case 'set':
+    case 'checkpoint': {
+      const [runId] = args.positional;
+      if (!runId) throw new UsageError(`${command}: missing <runId>\n${USAGE}`);
+      if (command === 'checkpoint') {
+        const saved = await control(runId, (h) => h.executeUpdate(checkpointUpdate));
+        console.log(`run ${runId}: checkpoint of step ${saved.step} at ${saved.path}`);
+        return;
+      }
+      if (command === 'set' && Object.keys(args.overrides).length === 0) throw new UsageError(`set: nothing to set, e.g. --algo.lr 1e-4\n${USAGE}`);
+      const update = command === 'pause' ? pauseUpdate : command === 'resume' ? resumeUpdate : null;
+      const state = await control(runId, (h) => (update ? h.executeUpdate(update) : h.executeUpdate(setUpdate, { args: [parseSettings(args.overrides)] })));
+      printControl(runId, state);
+      return;
+    }
+    case 'plot': {
+      const [runId] = args.positional;
+      if (!runId) throw new UsageError(`plot: missing <runId>\n${USAGE}`);
+      const { png, tensorboard } = await plotRun(runId, args.overrides.store, args.overrides.out);
+      console.log(`wrote ${png}\nTensorBoard events in ${tensorboard}`);
+      return;
+    }
+    case 'schedule':
+      await scheduleCommand(await connect(), args);
+      return;
     default:
       throw new UsageError(command ? `unknown command "${command}"\n${USAGE}` : USAGE);
   }

@@ -18,7 +18,7 @@ const { rolloutGroup } = proxyActivities<Activities>({
 export async function promptGroup(input: RolloutGroupInput): Promise<GroupResult> {
   let result: GroupResult;
   try {
-    result = await rolloutGroup(input);
+    result = await rolloutGroup.executeWithOptions({ summary: `${input.config.group_size} episodes of group ${input.groupIndex}` }, [input]);
   } catch (err) {
     if (isCancellation(err) || !(err instanceof ActivityFailure)) throw err;
     // A group that cannot run still frees its slot: the run drops it as empty.

@@ -8,12 +8,18 @@
 // workflows that outlive the run that started them) deliver to the next run.
 import {
   allHandlersFinished, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
-  getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setHandler, startChild, workflowInfo,
+  getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setCurrentDetails, setHandler, startChild,
+  upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
 import type { RecipeConfig } from '../agents/recipe';
+import {
+  applySettings, checkpointUpdate, currentSettings, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type LiveSetting,
+} from './control';
 import type { promptGroup } from './prompt-group';
+import { stepMetrics } from './step-metrics';
+import { MoltRecipe, MoltReward, MoltStep, MoltVersion, stepDetails } from './visibility';
 
 export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
 export const runWorkflowId = (runId: string) => `molt-${runId}`;
@@ -36,6 +42,8 @@ export interface Progress {
   lastMetrics: Record<string, number>;
   dropped: Dropped;
   state: 'running' | 'stopping' | 'done';
+  paused: boolean; // no new step starts while paused (groups keep generating up to a batch)
+  settings: Record<LiveSetting, number>; // the live settings the next step uses
 }
 export interface Dropped { stale: number; empty: number }
 
@@ -52,11 +60,13 @@ export interface Carried {
   rewardHistory: number[];
   lastMetrics: Record<string, number>;
   checkpoint: { step: number; path: string } | null;
+  paused: boolean;
+  lastStepAt: number; // epoch ms when the last step ended (for the step's time split)
 }
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {
-  runId: string;
+  runId?: string; // absent in a scheduled run: then the workflow id `molt-<runId>` names it (each firing its own)
   recipeDir: string;
   config: RecipeConfig;
   carried?: Carried;
@@ -83,15 +93,28 @@ const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
   heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
+// One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step).
+const { recordMetrics } = proxyActivities<Activities>({
+  taskQueue: TASK_QUEUES.actor,
+  startToCloseTimeout: '1 minute',
+  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
+});
 
 export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
-  const { runId, recipeDir, config } = input;
+  const runId = input.runId ?? workflowInfo().workflowId.replace(/^molt-/, '');
+  const { recipeDir } = input;
+  let config = input.config; // live settings (the `set` update) change it from the next step
   const run: Carried = input.carried ?? {
     step: 0, nextGroupIndex: 0, inflight: [], ready: [], dropped: { stale: 0, empty: 0 },
     tokens: 0, startedAt: Date.now(), rewardMean: null, rewardHistory: [], lastMetrics: {}, checkpoint: null,
+    paused: false, lastStepAt: Date.now(),
   };
   const inflight = new Set(run.inflight);
   let state: Progress['state'] = 'running';
+  let actorBusy = false; // see withActor
+  // Search attributes are upserted only when the client set MoltRecipe at start, i.e. when the
+  // server has them registered: upserting an unknown attribute would fail every workflow task.
+  const searchable = workflowInfo().typedSearchAttributes.get(MoltRecipe) !== undefined;
 
   setHandler(groupDone, (result) => {
     if (!inflight.delete(result.groupIndex)) return; // a re-sent or unknown result
@@ -104,9 +127,22 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       step: run.step, totalSteps: config.train.steps, version: run.step,
       inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean, rewardHistory: run.rewardHistory,
       tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
-      lastMetrics: run.lastMetrics, dropped: run.dropped, state,
+      lastMetrics: run.lastMetrics, dropped: run.dropped, state, paused: run.paused, settings: currentSettings(config),
     };
   });
+
+  // Live control. Validators reject bad requests before they reach history.
+  const controlState = (): ControlState => { showDetails(); return { paused: run.paused, settings: currentSettings(config) }; };
+  const whileRunning = () => { if (state !== 'running') throw new Error(`run is ${state}`); };
+  setHandler(pauseUpdate, () => { run.paused = true; return controlState(); }, { validator: whileRunning });
+  setHandler(resumeUpdate, () => { run.paused = false; return controlState(); }, { validator: whileRunning });
+  setHandler(setUpdate, (settings) => { config = applySettings(config, settings); return controlState(); }, {
+    validator: (settings) => { whileRunning(); validateSettings(settings); },
+  });
+  setHandler(checkpointUpdate, async () => {
+    await withActor(async () => { if (run.checkpoint?.step !== run.step) await saveCheckpoint(); });
+    return run.checkpoint!;
+  }, { validator: () => { if (run.step === 0) throw new Error('no step trained yet: nothing to checkpoint'); } });
 
   // Cancel means a graceful stop: the loop sees `stopping`, finishes the step it is in,
   // checkpoints and stops the children. Hence all the work below runs non-cancellable.
@@ -130,27 +166,48 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
             taskQueue: TASK_QUEUES.control,
             args: [{ runId, groupIndex, recipeDir, config }],
             parentClosePolicy: ParentClosePolicy.ABANDON, // survives continue-as-new
+            staticSummary: `group ${groupIndex} of ${runId}: ${config.group_size} episodes`,
           });
         }));
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
 
+    showDetails();
     let stepsThisRun = 0;
     while (run.step < config.train.steps && state === 'running') {
       const batch = await nextBatch();
       if (batch === null) break; // stopping while waiting: skip the step
 
       const step = run.step + 1; // step s produces policy version s
-      const result = await trainStep({ runId, step, refs: batch.flatMap((g) => g.refs), algo: config.algo });
-      await refit({ runId, version: step });
-      run.step = step;
-      run.lastMetrics = result.metrics;
+      const refs = batch.flatMap((g) => g.refs);
+      const tokens = batch.reduce((n, g) => n + g.tokens, 0);
+      const algo = config.algo; // a `set` during the step applies from the next one
+      const times = { batchReady: Date.now(), trained: 0, refitted: 0, transferSeconds: 0 };
+      await withActor(async () => {
+        const result = await trainStep.executeWithOptions(
+          { summary: `train step ${step}: ${batch.length} groups, ${refs.length} trajectories, ${tokens} tokens` },
+          [{ runId, step, refs, algo }]);
+        times.trained = Date.now();
+        const refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step }]);
+        times.refitted = Date.now();
+        times.transferSeconds = refitted.seconds;
+        run.step = step;
+        run.lastMetrics = result.metrics;
+        if (step % config.checkpoint.every === 0) await saveCheckpoint();
+      });
       const rewards = batch.flatMap((g) => g.rewards);
       run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
       run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
       log.info('step done', { step, rewardMean: run.rewardMean, groups: batch.map((g) => g.groupIndex) });
-      if (step % config.checkpoint.every === 0) await saveCheckpoint();
+      await recordMetrics.executeWithOptions({ summary: `metrics of step ${step}` }, [{
+        runId, step, metrics: stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt }),
+      }]);
+      run.lastStepAt = Date.now();
+      if (searchable) {
+        upsertSearchAttributes([{ key: MoltStep, value: step }, { key: MoltVersion, value: step }, { key: MoltReward, value: run.rewardMean }]);
+      }
+      showDetails();
 
       stepsThisRun++;
       const historyFull = workflowInfo().continueAsNewSuggested || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
@@ -158,18 +215,19 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         await stopFilling();
         await condition(allHandlersFinished);
         if (state === 'running') {
-          return continueAsNew<typeof trainRun>({ ...input, carried: { ...run, inflight: [...inflight] } });
+          return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: { ...run, inflight: [...inflight] } });
         }
       }
     }
 
     // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
     await stopFilling();
-    if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint();
+    await withActor(async () => { if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint(); });
     await Promise.all([...inflight].map((i) =>
       getExternalWorkflowHandle(groupWorkflowId(runId, i)).cancel().catch(() => undefined))); // may be closed already
     const stopped = run.step < config.train.steps;
     state = 'done';
+    showDetails();
     return {
       runId, steps: run.step, version: run.step, stopped, checkpoint: run.checkpoint?.path ?? null,
       rewardMean: run.rewardMean, rewardHistory: run.rewardHistory, lastMetrics: run.lastMetrics, dropped: run.dropped,
@@ -180,11 +238,12 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // dropped when it has no finished episode, or (staleness_mode 'drop') when its oldest token is
   // more than max_staleness versions behind the current policy. In 'mask' mode the actor masks
   // the stale tokens instead.
+  // While paused, nothing is taken (the filler stops once a batch is waiting).
   async function nextBatch(): Promise<GroupResult[] | null> {
     const maxStaleness = config.algo.max_staleness;
     const dropStale = config.staleness_mode === 'drop' && maxStaleness !== null;
     for (;;) {
-      await condition(() => run.ready.length >= config.batch.groups || state !== 'running');
+      await condition(() => (run.ready.length >= config.batch.groups && !run.paused) || state !== 'running');
       if (state !== 'running') return null;
       run.ready = run.ready.filter((g) => {
         if (g.rewards.length === 0) { run.dropped.empty++; return false; }
@@ -195,8 +254,23 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     }
   }
 
+  // Call with the actor held (withActor), so the checkpoint holds the step it names.
   async function saveCheckpoint(): Promise<void> {
-    const saved = await checkpoint({ runId, step: run.step });
+    const saved = await checkpoint.executeWithOptions({ summary: `checkpoint step ${run.step}` }, [{ runId, step: run.step }]);
     run.checkpoint = { step: saved.step, path: saved.path };
+  }
+
+  // One actor call sequence at a time: a step (train, refit, checkpoint) or a requested checkpoint.
+  async function withActor(work: () => Promise<void>): Promise<void> {
+    while (actorBusy) await condition(() => !actorBusy);
+    actorBusy = true;
+    try { await work(); } finally { actorBusy = false; }
+  }
+
+  function showDetails(): void {
+    setCurrentDetails(stepDetails({
+      step: run.step, totalSteps: config.train.steps, rewardMean: run.rewardMean, paused: run.paused, state,
+      lr: config.algo.lr, batchGroups: config.batch.groups, inflight: inflight.size, ready: run.ready.length, checkpoint: run.checkpoint?.path ?? null,
+    }));
   }
 }

