@@ -9,6 +9,7 @@ export interface StepTimes { batchReady: number; trained: number; refitted: numb
 export function stepMetrics(o: {
   step: number; batch: GroupResult[]; algo: AlgoConfig; actor: Record<string, number>; // algo: what the step trained with
   dropped: Dropped; times: StepTimes; lastStepAt: number;
+  generated: number; // tokens of all groups that arrived since the last step (trained or not)
 }): Record<string, number> {
   const rewards = o.batch.flatMap((g) => g.rewards);
   const mean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
@@ -25,7 +26,7 @@ export function stepMetrics(o: {
     'rollout/episodes': rewards.length,
     'rollout/failed_episodes': o.batch.reduce((n, g) => n + g.failed, 0),
     'rollout/tokens': tokens,
-    'rollout/tokens_per_s': stepSeconds > 0 ? tokens / stepSeconds : 0,
+    'rollout/tokens_per_s': stepSeconds > 0 ? o.generated / stepSeconds : 0, // generation throughput over the step
     'rollout/staleness_max': Math.max(...staleness),
     'rollout/staleness_mean': staleness.reduce((a, b) => a + b, 0) / staleness.length,
     'dropped/stale': o.dropped.stale, // cumulative over the run

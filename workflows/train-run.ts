@@ -62,6 +62,7 @@ export interface Carried {
   checkpoint: { step: number; path: string } | null;
   paused: boolean;
   lastStepAt: number; // epoch ms when the last step ended (for the step's time split)
+  tokensAtLastStep: number; // `tokens` then
 }
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
@@ -107,7 +108,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const run: Carried = input.carried ?? {
     step: 0, nextGroupIndex: 0, inflight: [], ready: [], dropped: { stale: 0, empty: 0 },
     tokens: 0, startedAt: Date.now(), rewardMean: null, rewardHistory: [], lastMetrics: {}, checkpoint: null,
-    paused: false, lastStepAt: Date.now(),
+    paused: false, lastStepAt: Date.now(), tokensAtLastStep: 0,
   };
   const inflight = new Set(run.inflight);
   let state: Progress['state'] = 'running';
@@ -201,9 +202,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
       log.info('step done', { step, rewardMean: run.rewardMean, groups: batch.map((g) => g.groupIndex) });
       await recordMetrics.executeWithOptions({ summary: `metrics of step ${step}` }, [{
-        runId, step, metrics: stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt }),
+        runId, step, metrics: stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt, generated: run.tokens - run.tokensAtLastStep }),
       }]);
       run.lastStepAt = Date.now();
+      run.tokensAtLastStep = run.tokens;
       if (searchable) {
         upsertSearchAttributes([{ key: MoltStep, value: step }, { key: MoltVersion, value: step }, { key: MoltReward, value: run.rewardMean }]);
       }
