@@ -14,8 +14,8 @@ import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { loadRecipe, REPO_ROOT, resolveModelDir } from '../agents/recipe';
 import { plainLoop, RECIPE_DIR, temporalLoop } from './bench/loops';
-import { partialRollouts, type PartialOptions } from './bench/partial';
-import { orchestrationScale } from './bench/scale';
+import { partialRollouts, type PartialOptions, type PartialResult } from './bench/partial';
+import { orchestrationScale, type ScaleRow } from './bench/scale';
 
 const OUT_DIR = path.join(REPO_ROOT, 'bench-out');
 
@@ -34,11 +34,11 @@ async function main() {
   const argv = process.argv.slice(2);
   const smoke = argv.includes('--smoke');
   const stepsArg = argv.indexOf('--steps');
-  const steps = String(stepsArg >= 0 ? Number(argv[stepsArg + 1]) : smoke ? 2 : 10);
+  const steps = String(stepsArg >= 0 ? Number(argv[stepsArg + 1]) : smoke ? 2 : 8);
   const workloads: Workload[] = smoke
     ? [{ name: 'smoke', overrides: { 'batch.groups': '2', group_size: '2' }, pools: [3] }]
     : [
-      { name: 'embedded recipe (16 groups x 8, 3 tokens)', overrides: {}, pools: [24, 64, 128] },
+      { name: 'embedded recipe (16 groups x 8, 3 tokens)', overrides: {}, pools: [24, 96] },
       // Heavier: 8x the episodes and 16 tokens each, so a plain step takes seconds on 2 cores.
       { name: 'heavier (32 groups x 16, 16 tokens)', overrides: { 'batch.groups': '32', group_size: '16', 'sampling.max_tokens': '16' }, pools: [48] },
     ];
@@ -48,8 +48,14 @@ async function main() {
   const scaleSizes = smoke ? [4, 8] : [16, 64, 256, 1024];
   fs.mkdirSync(OUT_DIR, { recursive: true });
 
-  const orchestration = [];
-  const utilization = [];
+  // The report is rewritten after each part, so a long run shows what it has so far.
+  const report: Report = { orchestration: [], utilization: [], partial: [], scale: [], engine: null };
+  const save = () => {
+    const markdown = render(report, partialOptions, smoke);
+    fs.writeFileSync(path.join(OUT_DIR, 'report.md'), markdown);
+    fs.writeFileSync(path.join(OUT_DIR, 'report.json'), JSON.stringify(report, null, 2));
+    return markdown;
+  };
   for (const w of workloads) {
     const config = (pool: number) => loadRecipe(RECIPE_DIR, { ...w.overrides, 'pool.inflight': String(pool), 'train.steps': steps, 'checkpoint.every': '1000' });
     for (const [i, pool] of w.pools.entries()) {
@@ -58,55 +64,75 @@ async function main() {
       console.error(`[bench] ${w.name}, ${pool} groups in flight: Temporal loop`);
       const temporal = await temporalLoop(config(pool));
       const n = Number(steps);
-      orchestration.push({
+      report.orchestration.push({
         workload: w.name, inflight: pool, steps: n, plainMsPerStep: (plain.seconds * 1000) / n, temporalMsPerStep: (temporal.seconds * 1000) / n,
         addedMsPerStep: ((temporal.seconds - plain.seconds) * 1000) / n, ratio: temporal.seconds / plain.seconds,
       });
+      save();
       if (i > 0) continue;
       // The synchronous baseline: the same config, batch.groups in flight, refilled after each step.
       console.error(`[bench] ${w.name}: synchronous plain loop`);
       const sync = await plainLoop(config(pool), 'sync');
-      utilization.push({
+      report.utilization.push({
         workload: w.name, inflight: pool, streamingBusy: plain.engineBusy!, syncBusy: sync.engineBusy!, busyRatio: plain.engineBusy! / sync.engineBusy!,
         streamingTokensPerSecond: plain.trainedTokens / plain.seconds, syncTokensPerSecond: sync.trainedTokens / sync.seconds,
         temporalTokensPerSecond: temporal.trainedTokens / temporal.seconds,
         throughputRatio: (plain.trainedTokens / plain.seconds) / (sync.trainedTokens / sync.seconds),
       });
+      save();
     }
   }
 
   console.error('[bench] partial rollouts across refits: keep vs abort');
-  const partial = await partialRollouts(loadRecipe(RECIPE_DIR), partialOptions);
-  // Steps per size: enough groups for a steady state, few enough that 1024 in flight fits in a minute or two.
-  const scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 64 ? 6 : 4));
+  report.partial = await partialRollouts(loadRecipe(RECIPE_DIR), partialOptions);
+  save();
+  // Steps per size: enough groups for a steady state; a size still running after the budget is cut off.
+  report.scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 64 ? 6 : 4), smoke ? 60 : 75);
+  save();
+  console.error('[bench] engine and refit: gpu-services/bench_engine.py');
   const engine = engineBench(smoke);
+  report.engine = engine.json;
+  report.engineMarkdown = engine.markdown;
+  console.log(save());
+}
 
-  const f = (x: number, d = 0) => x.toFixed(d);
-  const [keep, abort] = partial;
-  const markdown = [
+interface Report {
+  orchestration: { workload: string; inflight: number; steps: number; plainMsPerStep: number; temporalMsPerStep: number; addedMsPerStep: number; ratio: number }[];
+  utilization: {
+    workload: string; inflight: number; streamingBusy: number; syncBusy: number; busyRatio: number;
+    streamingTokensPerSecond: number; syncTokensPerSecond: number; temporalTokensPerSecond: number; throughputRatio: number;
+  }[];
+  partial: PartialResult[];
+  scale: ScaleRow[];
+  engine: unknown;
+  engineMarkdown?: string;
+}
+
+function render(report: Report, partialOptions: PartialOptions, smoke: boolean): string {
+  const f = (x: number | null, d = 0) => (x === null ? '-' : x.toFixed(d));
+  const [keep, abort] = report.partial;
+  return [
     '# Molt benchmarks', '',
     '## 1. Orchestration overhead: Temporal loop vs plain in-process loop (same activities, same pool, fresh stacks)', '',
     '| workload | groups in flight | steps | plain ms/step | Temporal ms/step | added ms/step | ratio |', '|---|---:|---:|---:|---:|---:|---:|',
-    ...orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} |`),
+    ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} |`),
     '', '## 2. Engine utilization: streaming pool vs synchronous (generate, then train, then generate), plain loops, same config', '',
     'Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side).', '',
     '| workload | groups in flight | busy streaming | busy sync | ratio | trained tok/s streaming | trained tok/s sync | ratio | trained tok/s Temporal |',
     '|---|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...utilization.map((r) => `| ${r.workload} | ${r.inflight} | ${f(r.streamingBusy, 2)} | ${f(r.syncBusy, 2)} | ${f(r.busyRatio, 2)} | ${f(r.streamingTokensPerSecond)} | ${f(r.syncTokensPerSecond)} | ${f(r.throughputRatio, 2)} | ${f(r.temporalTokensPerSecond)} |`),
+    ...report.utilization.map((r) => `| ${r.workload} | ${r.inflight} | ${f(r.streamingBusy, 2)} | ${f(r.syncBusy, 2)} | ${f(r.busyRatio, 2)} | ${f(r.streamingTokensPerSecond)} | ${f(r.syncTokensPerSecond)} | ${f(r.throughputRatio, 2)} | ${f(r.temporalTokensPerSecond)} |`),
     '', `## 3. Partial rollouts: ${partialOptions.requests} generations of ${partialOptions.maxTokens} tokens, a refit every ${partialOptions.intervalMs} ms (at most ${partialOptions.refits})`, '',
     'abort is the baseline without partial rollouts: an aborted generation is regenerated from scratch.', '',
     '| pause mode | refits | useful tokens | discarded tokens | regenerated | most versions in one generation | seconds |', '|---|---:|---:|---:|---:|---:|---:|',
-    ...partial.map((r) => `| ${r.mode} | ${r.refits} | ${r.usefulTokens} | ${r.discardedTokens} | ${r.regenerated} | ${r.maxVersionsInOne} | ${f(r.seconds, 2)} |`),
-    '', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`,
+    ...report.partial.map((r) => `| ${r.mode} | ${r.refits} | ${r.usefulTokens} | ${r.discardedTokens} | ${r.regenerated} | ${r.maxVersionsInOne} | ${f(r.seconds, 2)} |`),
+    ...(keep && abort ? ['', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`] : []),
     '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2', '',
-    '| groups in flight | steps | trajectories/s | steps/s | trainRun events/step | events/group | events/step (all) | worker CPU s/step | server CPU s/step | cores busy |',
-    '|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...scale.map((r) => `| ${r.inflight} | ${r.steps} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.runEventsPerStep)} | ${r.groupEvents} | ${f(r.eventsPerStep)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
-    '', '## 5. Engine and refit (gpu-services/bench_engine.py)', '', engine.markdown,
+    'Trajectories/s over the steps after the first; a size cut off at its time budget is measured on the steps it did.', '',
+    '| groups in flight | steps done | finished | seconds | trajectories/s | steps/s | trainRun events/step | events/group | events/step (all) | worker CPU s/step | server CPU s/step | cores busy |',
+    '|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...report.scale.map((r) => `| ${r.inflight} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.runEventsPerStep)} | ${r.groupEvents} | ${f(r.eventsPerStep)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
+    '', '## 5. Engine and refit (gpu-services/bench_engine.py)', '', report.engineMarkdown ?? (smoke ? '(engine benchmark skipped in --smoke)\n' : '(not run yet)\n'),
   ].join('\n');
-  fs.writeFileSync(path.join(OUT_DIR, 'report.md'), markdown);
-  fs.writeFileSync(path.join(OUT_DIR, 'report.json'), JSON.stringify({ orchestration, utilization, partial, scale, engine: engine.json }, null, 2));
-  console.log(markdown);
 }
 
 main().catch((err) => { console.error(err); process.exit(1); });

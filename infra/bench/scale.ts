@@ -17,9 +17,11 @@ import { RECIPE_DIR } from './loops';
 export interface ScaleRow {
   inflight: number; // prompt groups in flight (pool.inflight)
   batchGroups: number;
-  steps: number;
-  trajectoriesPerSecond: number; // trained episodes / wall time between the first and the last step
-  stepsPerSecond: number;
+  steps: number; // steps done
+  seconds: number; // wall time of the run (or up to the budget)
+  finished: boolean; // false: cut off at the time budget
+  trajectoriesPerSecond: number | null; // trained episodes / wall time between the first and the last step
+  stepsPerSecond: number | null;
   runEventsPerStep: number; // trainRun history events (all runs of its continue-as-new chain) / steps
   groupEvents: number; // history events of one promptGroup
   eventsPerStep: number; // run events per step + batch.groups x group events
@@ -65,7 +67,7 @@ function instantActivities(stepTimes: number[]): Activities {
   };
 }
 
-export async function orchestrationScale(sizes: number[], steps: (inflight: number) => number): Promise<ScaleRow[]> {
+export async function orchestrationScale(sizes: number[], steps: (inflight: number) => number, budgetSeconds: number): Promise<ScaleRow[]> {
   Runtime.install({ logger: new DefaultLogger('WARN') }); // the workers' state changes would drown the bench's own lines
   const env = await TestWorkflowEnvironment.createLocal({ server: { executable: { type: 'existing-path', path: path.join(REPO_ROOT, '.venv', 'bin', 'temporal') } } });
   const server = serverPid();
@@ -89,25 +91,31 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       const config = loadRecipe(RECIPE_DIR, { 'pool.inflight': String(inflight), 'batch.groups': String(batchGroups), 'train.steps': String(n), 'checkpoint.every': '1000' });
       const runId = `scale-${inflight}-${Date.now()}`;
       console.error(`[bench] orchestration scale: ${inflight} groups in flight, ${n} steps`);
-      stepTimes.length = 0;
+      stepTimes.length = 1; // stepTimes[0] unused: steps count from 1
       const cpu0 = { worker: process.cpuUsage(), server: cpuSeconds(server) };
       const started = performance.now();
-      await client.workflow.execute(trainRun, { workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }] });
+      const handle = await client.workflow.start(trainRun, { workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }] });
+      // A size that has not finished within the budget is cut off there and measured on the steps it did.
+      const finished = await Promise.race([handle.result().then(() => true), new Promise<false>((r) => setTimeout(() => r(false), budgetSeconds * 1000))]);
+      if (!finished) await handle.terminate('orchestration scale bench: time budget spent');
       const runSeconds = (performance.now() - started) / 1000; // the CPU figures cover the whole run
       const cpu = process.cpuUsage(cpu0.worker);
       const workerCpu = (cpu.user + cpu.system) / 1e6;
       const serverCpu = cpuSeconds(server) - cpu0.server;
-      const wall = (stepTimes[n] - stepTimes[1]) / 1000; // steady state: the first step's ramp-up left out
+      const done = stepTimes.length - 1; // steps recorded (stepTimes[s] = when step s was recorded)
+      const wall = (stepTimes[done] - stepTimes[1]) / 1000; // steady state: the first step's ramp-up left out
       const runs = [];
       for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
       const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
         .reduce((a, h) => a + (h.events?.length ?? 0), 0);
       const groupEvents = (await client.workflow.getHandle(`${runWorkflowId(runId)}-g0`).fetchHistory()).events?.length ?? 0;
       rows.push({
-        inflight, batchGroups, steps: n,
-        trajectoriesPerSecond: ((n - 1) * batchGroups * config.group_size) / wall, stepsPerSecond: (n - 1) / wall,
-        runEventsPerStep: runEvents / n, groupEvents, eventsPerStep: runEvents / n + batchGroups * groupEvents,
-        workerCpuPerStep: workerCpu / n, serverCpuPerStep: serverCpu / n, coresBusy: (workerCpu + serverCpu) / runSeconds,
+        inflight, batchGroups, steps: Math.max(done, 0), seconds: runSeconds, finished,
+        // null when fewer than 2 steps were done within the budget: no steady state to measure
+        trajectoriesPerSecond: done >= 2 ? ((done - 1) * batchGroups * config.group_size) / wall : null,
+        stepsPerSecond: done >= 2 ? (done - 1) / wall : null,
+        runEventsPerStep: runEvents / Math.max(done, 1), groupEvents, eventsPerStep: runEvents / Math.max(done, 1) + batchGroups * groupEvents,
+        workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
       });
     }
   } finally {
