@@ -18,6 +18,7 @@ export interface GroupResult {
   minVersion: number; // oldest policy version among the group's sampled tokens
   maxVersion: number;
   seconds: number;
+  fatal?: string; // the group broke the recipe's failure budget: the run must stop (the message says why)
 }
 
 export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }

@@ -278,6 +278,8 @@ class Actor:
 
         mask = staleness_mask(versions, self.version, algo.max_staleness, trainable)  # [N,T] tokens that train
         staleness = (self.version - versions)[sampled > 0]  # versions behind, per sampled token
+        # Invariant 3 is about tokens sampled at the actor's own version: their rollout logprobs must equal ours.
+        fresh = (mask > 0) & (versions == self.version)  # [N,T]
         advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp)  # [N,T]
         total_tokens = max(mask.sum().item(), 1.0)  # global token mean over all ranks (every rank has the batch)
 
@@ -331,6 +333,7 @@ class Actor:
             "rollout_kl": sums["rollout_kl"] / total_tokens,
             "rollout_logp_max_abs_diff": ((old_logp - rollout_logp).abs() * mask).max().item(),
             "rollout_logp_mean_abs_diff": ((old_logp - rollout_logp).abs() * mask).sum().item() / total_tokens,
+            "rollout_logp_max_abs_diff_same_version": ((old_logp - rollout_logp).abs() * fresh).max().item(),
             "grad_norm": grad_norm,
             "optimizer_skipped": float(not math.isfinite(grad_norm)),
             "stale_masked": (trainable.sum() - mask.sum()).item(),

@@ -1,6 +1,6 @@
 // One prompt group: G episodes of the recipe's agent, run by one activity on the rollout queue.
 // The result goes to the run by workflow id, so it reaches whichever run of the chain is current.
-import { ActivityFailure, getExternalWorkflowHandle, isCancellation, log, proxyActivities } from '@temporalio/workflow';
+import { ActivityFailure, ApplicationFailure, getExternalWorkflowHandle, isCancellation, log, proxyActivities } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { GroupResult, RolloutGroupInput } from '../activities/types';
 import { groupDone, runWorkflowId, TASK_QUEUES } from './train-run';
@@ -21,9 +21,14 @@ export async function promptGroup(input: RolloutGroupInput): Promise<GroupResult
     result = await rolloutGroup.executeWithOptions({ summary: `${input.config.group_size} episodes of group ${input.groupIndex}` }, [input]);
   } catch (err) {
     if (isCancellation(err) || !(err instanceof ActivityFailure)) throw err;
-    // A group that cannot run still frees its slot: the run drops it as empty.
+    // A group that cannot run still frees its slot: the run drops it as empty. One whose agent
+    // failed more often than the recipe allows also tells the run to stop.
     log.error('rollout group failed for good', { groupIndex: input.groupIndex, error: String(err.cause ?? err) });
-    result = { groupIndex: input.groupIndex, refs: [], rewards: [], failed: input.config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0 };
+    const overBudget = err.cause instanceof ApplicationFailure && err.cause.type === 'FailureBudgetExceeded';
+    result = {
+      groupIndex: input.groupIndex, refs: [], rewards: [], failed: input.config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
+      ...(overBudget ? { fatal: err.cause.message } : {}),
+    };
   }
   try {
     await getExternalWorkflowHandle(runWorkflowId(input.runId)).signal(groupDone, result);

@@ -7,7 +7,7 @@
 // blob references only; continue-as-new carries the pool across, so in-flight groups (child
 // workflows that outlive the run that started them) deliver to the next run.
 import {
-  allHandlersFinished, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
+  allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
   getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setCurrentDetails, setHandler, startChild,
   upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
@@ -117,8 +117,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // server has them registered: upserting an unknown attribute would fail every workflow task.
   const searchable = workflowInfo().typedSearchAttributes.get(MoltRecipe) !== undefined;
 
+  let fatal: string | undefined; // set when a group broke the failure budget: stop, checkpoint, fail the run
   setHandler(groupDone, (result) => {
     if (!inflight.delete(result.groupIndex)) return; // a re-sent or unknown result
+    if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
     run.ready.push(result);
     run.tokens += result.tokens;
   });
@@ -230,6 +232,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const stopped = run.step < config.train.steps;
     state = 'done';
     showDetails();
+    if (fatal !== undefined) {
+      const saved = run.checkpoint ? ` (last checkpoint: step ${run.checkpoint.step}, ${run.checkpoint.path})` : '';
+      throw ApplicationFailure.nonRetryable(`run ${runId} failed after ${run.step} steps${saved}: ${fatal}`, 'FailureBudgetExceeded');
+    }
     return {
       runId, steps: run.step, version: run.step, stopped, checkpoint: run.checkpoint?.path ?? null,
       rewardMean: run.rewardMean, rewardHistory: run.rewardHistory, lastMetrics: run.lastMetrics, dropped: run.dropped,

@@ -132,6 +132,16 @@ test('every trained trajectory is in the store, token-exact, with per-token logp
   }
 });
 
+// Invariant 3: a token sampled at version v has, under the actor at version v, the logprob the engine
+// reported (fp32 on CPU). Each step's metrics measure it over the batch's tokens of the actor's version.
+test('engine and actor agree on the logprobs of tokens sampled at the actor version', () => {
+  const lines = fs.readFileSync(path.join(stack.storeRoot, runId, 'metrics.jsonl'), 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+  expect(lines.map((m) => m.step)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
+  const freshTokens = lines.reduce((n, m) => n + (m['staleness/0'] ?? 0), 0);
+  expect(freshTokens).toBeGreaterThan(0);
+  for (const m of lines) expect(m.rollout_logp_max_abs_diff_same_version).toBeLessThan(1e-3);
+});
+
 test('after each refit the engines hold the actor version', async () => {
   expect(refits.map((r) => r.version)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
   const actor = await callService<ActorHealth>(stack.actor, '/health', stack.token, { response: 'ActorHealth' });

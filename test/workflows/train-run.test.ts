@@ -2,6 +2,7 @@
 // but instantly: groups finish when the test releases them (or after a short sleep), trainStep
 // records its calls and can be held.
 import { Context } from '@temporalio/activity';
+import { ApplicationFailure } from '@temporalio/common';
 import type { WorkflowHandle } from '@temporalio/client';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { RecordMetricsInput } from '../../activities/metrics';
@@ -24,7 +25,7 @@ function makeConfig(o: { inflight: number; groups: number; steps: number; every?
 }
 
 // Fake services: `version` is the engines' weight version (set by refit), recorded per group.
-function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
+function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number) => boolean; overBudget?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
   const s = {
     version: 0,
     running: new Set<number>(),
@@ -50,6 +51,7 @@ function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number)
       } finally {
         s.running.delete(g);
       }
+      if (opts.overBudget?.(g)) throw ApplicationFailure.nonRetryable(`group ${g}: 2 of 2 episodes failed, over the failure budget`, 'FailureBudgetExceeded');
       const episodes = opts.empty?.(g) ? [] : [...Array(input.config.group_size).keys()]; // empty: every episode failed
       const result: GroupResult = {
         groupIndex: g, refs: episodes.map((e) => `${input.runId}/g${g}/e${e}`), rewards: episodes.map((e) => (g + e) % 2),
@@ -252,5 +254,19 @@ test('cancel stops gracefully: the current step finishes, a checkpoint is taken,
     expect(stepBatches(s).flat().sort()).toEqual([0, 1, 2, 3]);
     for (const g of [4, 5, 6]) await waitFor(`g${g} cancelled`, async () => (await childStatus(runId, g)) === 'CANCELLED');
     await expect(childStatus(runId, 7)).rejects.toThrow(); // no group started after the stop
+  });
+});
+
+test('a group over the failure budget stops the run: the steps done are checkpointed, then the run fails naming the group', async () => {
+  const { s, activities } = fakeServices({ overBudget: (g) => g === 5 });
+  const config = makeConfig({ inflight: 2, groups: 2, steps: 100 });
+  await withWorkers(env, activities, async () => {
+    const handle = await env.client.workflow.start(trainRun, {
+      workflowId: runWorkflowId('budget'), taskQueue: TASK_QUEUES.control, args: [{ runId: 'budget', recipeDir: '/r', config }],
+    });
+    const err = await handle.result().then(() => null, (e) => e);
+    expect(String(err?.cause?.message)).toMatch(/run budget failed after \d+ steps .*group 5: 2 of 2 episodes failed, over the failure budget/);
+    expect(s.trainCalls.length).toBeGreaterThan(0);
+    expect(s.checkpoints.at(-1)).toBe(s.trainCalls.at(-1)!.input.step); // nothing trained is lost
   });
 });
