@@ -6,7 +6,7 @@ import * as path from 'node:path';
 import { REPO_ROOT } from '../../agents/recipe';
 
 test('bench --smoke writes a report with every part measured', () => {
-  const res = spawnSync(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/bench.ts', '--smoke'], { cwd: REPO_ROOT, encoding: 'utf8' });
+  const res = spawnSync(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['bench/run.ts', '--smoke'], { cwd: REPO_ROOT, encoding: 'utf8' });
   expect(res.status).toBe(0);
   const report = JSON.parse(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.json'), 'utf8'));
 

@@ -1,11 +1,11 @@
 // `npm run bench`: Molt against the plain loops it replaces, each figure beside a baseline measured
-// in the same run (infra/bench/*):
+// in the same run (bench/*.ts):
 //   1. orchestration overhead: the trainRun workflow vs a plain in-process loop over the same
 //      activities, the same pool and fresh identical stacks, at two workloads and several pool sizes;
 //   2. engine utilization and trained tokens/s: streaming pool vs synchronous generate-then-train;
 //   3. partial rollouts: tokens discarded at refit, pause mode keep vs abort (+ regenerate);
 //   4. orchestration scale: the real workflows with instant activities, 16..1024 groups in flight;
-//   5. engine and refit: gpu-services/bench_engine.py.
+//   5. engine and refit: bench/engine.py.
 // Writes bench-out/report.md and bench-out/report.json.
 //
 //   npm run bench [-- --steps 8] [-- --smoke]     (--smoke: tiny sizes, checks the report is produced)
@@ -13,9 +13,9 @@ import { spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { loadRecipe, REPO_ROOT, resolveModelDir } from '../agents/recipe';
-import { plainLoop, RECIPE_DIR, temporalLoop } from './bench/loops';
-import { partialRollouts, type PartialOptions, type PartialResult } from './bench/partial';
-import { orchestrationScale, type ScaleRow } from './bench/scale';
+import { plainLoop, RECIPE_DIR, temporalLoop } from './loops';
+import { partialRollouts, type PartialOptions, type PartialResult } from './partial';
+import { orchestrationScale, type ScaleRow } from './scale';
 
 const OUT_DIR = path.join(REPO_ROOT, 'bench-out');
 
@@ -24,9 +24,9 @@ interface Workload { name: string; overrides: Record<string, string>; pools: num
 function engineBench(smoke: boolean): { markdown: string; json: unknown } {
   if (smoke) return { markdown: '(engine benchmark skipped in --smoke)\n', json: null };
   const out = path.join(OUT_DIR, 'engine.json');
-  const res = spawnSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['gpu-services/bench_engine.py', '--model', resolveModelDir('tiny'), '--out', out],
+  const res = spawnSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['bench/engine.py', '--model', resolveModelDir('tiny'), '--out', out],
     { cwd: REPO_ROOT, encoding: 'utf8', env: { ...process.env, OMP_NUM_THREADS: '1' } });
-  if (res.status !== 0) throw new Error(`bench_engine.py failed:\n${res.stderr}`);
+  if (res.status !== 0) throw new Error(`bench/engine.py failed:\n${res.stderr}`);
   return { markdown: res.stdout, json: JSON.parse(fs.readFileSync(out, 'utf8')) };
 }
 
@@ -89,7 +89,7 @@ async function main() {
   // Steps per size: enough groups for a steady state; a size still running after the budget is cut off.
   report.scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 64 ? 6 : 4), smoke ? 60 : 75);
   save();
-  console.error('[bench] engine and refit: gpu-services/bench_engine.py');
+  console.error('[bench] engine and refit: bench/engine.py');
   const engine = engineBench(smoke);
   report.engine = engine.json;
   report.engineMarkdown = engine.markdown;
@@ -131,7 +131,7 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     '| groups in flight | steps done | finished | seconds | trajectories/s | steps/s | trainRun events/step | events/group | events/step (all) | worker CPU s/step | server CPU s/step | cores busy |',
     '|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
     ...report.scale.map((r) => `| ${r.inflight} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.runEventsPerStep)} | ${r.groupEvents} | ${f(r.eventsPerStep)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
-    '', '## 5. Engine and refit (gpu-services/bench_engine.py)', '', report.engineMarkdown ?? (smoke ? '(engine benchmark skipped in --smoke)\n' : '(not run yet)\n'),
+    '', '## 5. Engine and refit (bench/engine.py)', '', report.engineMarkdown ?? (smoke ? '(engine benchmark skipped in --smoke)\n' : '(not run yet)\n'),
   ].join('\n');
 }
 

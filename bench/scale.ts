@@ -8,10 +8,10 @@ import * as path from 'node:path';
 import { Client } from '@temporalio/client';
 import { TestWorkflowEnvironment } from '@temporalio/testing';
 import { bundleWorkflowCode, DefaultLogger, Runtime, Worker } from '@temporalio/worker';
-import type { Activities } from '../../activities';
-import type { GroupResult, RolloutGroupInput } from '../../activities/types';
-import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
-import { runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
+import type { Activities } from '../activities';
+import type { GroupResult, RolloutGroupInput } from '../activities/types';
+import { loadRecipe, REPO_ROOT } from '../agents/recipe';
+import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { RECIPE_DIR } from './loops';
 
 export interface ScaleRow {

@@ -9,11 +9,11 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { MockActivityEnvironment } from '@temporalio/testing';
-import { createActivities } from '../../activities';
-import type { GroupResult } from '../../activities/types';
-import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../../agents/recipe';
-import { runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
-import { startStack, type Stack } from '../stack';
+import { createActivities } from '../activities';
+import type { GroupResult } from '../activities/types';
+import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
+import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
+import { startStack, type Stack } from '../infra/stack';
 
 export const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 

@@ -3,9 +3,9 @@
 // new weights (nothing sampled is lost); pause mode abort ends them with finish_reason 'abort', and
 // the baseline — a loop without partial rollouts — regenerates each from scratch, so every token
 // sampled before the abort is discarded.
-import { callService, type EngineHealth, type GenerateResponse } from '../../activities/gpu-client';
-import type { RecipeConfig } from '../../agents/recipe';
-import type { Stack } from '../stack';
+import { callService, type EngineHealth, type GenerateResponse } from '../activities/gpu-client';
+import type { RecipeConfig } from '../agents/recipe';
+import type { Stack } from '../infra/stack';
 import { withStack } from './loops';
 
 export interface PartialOptions { requests: number; maxTokens: number; refits: number; intervalMs: number }

@@ -5,7 +5,7 @@
 - refit: pause -> /weights/receive of the whole model -> resume, against a raw gloo broadcast of the
   same buckets between two processes (group set-up included in both).
 
-    python gpu-services/bench_engine.py [--model DIR] [--threads 1] [--out bench.json]
+    python bench/engine.py [--model DIR] [--threads 1] [--out bench.json]
 
 Without --model it makes the tiny test model in a temp dir. Prints a markdown table; ratios are
 engine / baseline (tokens/s: higher is better; refit seconds: lower is better).
@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu-services"))
 from common import load_causal_lm  # noqa: E402
 from contract import WeightReceiveRequest  # noqa: E402
 from weight_transfer import open_group, plan_buckets, recv_bucket, send_bucket  # noqa: E402
