@@ -177,6 +177,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const stopFilling = async () => { filling = false; await filler; };
 
     showDetails();
+    let metricsWritten: Promise<unknown> = Promise.resolve();
     let stepsThisRun = 0;
     while (run.step < config.train.steps && state === 'running') {
       const batch = await nextBatch();
@@ -203,9 +204,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
       run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
       log.info('step done', { step, rewardMean: run.rewardMean, groups: batch.map((g) => g.groupIndex) });
-      await recordMetrics.executeWithOptions({ summary: `metrics of step ${step}` }, [{
-        runId, step, metrics: stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt, generated: run.tokens - run.tokensAtLastStep }),
-      }]);
+      // Written while the next batch gathers: the loop does not wait on it (each round trip costs),
+      // but the lines go in step order (a later step's write waits for the earlier one).
+      const metrics = stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt, generated: run.tokens - run.tokensAtLastStep });
+      metricsWritten = metricsWritten.then(() => recordMetrics.executeWithOptions({ summary: `metrics of step ${step}` }, [{ runId, step, metrics }]));
       run.lastStepAt = Date.now();
       run.tokensAtLastStep = run.tokens;
       if (searchable) {
@@ -217,6 +219,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       const historyFull = workflowInfo().continueAsNewSuggested || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
       if (historyFull && state === 'running' && run.step < config.train.steps) {
         await stopFilling();
+        await metricsWritten;
         await condition(allHandlersFinished);
         if (state === 'running') {
           return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: { ...run, inflight: [...inflight] } });
@@ -226,6 +229,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
     // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
     await stopFilling();
+    await metricsWritten;
     await withActor(async () => { if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint(); });
     await Promise.all([...inflight].map((i) =>
       getExternalWorkflowHandle(groupWorkflowId(runId, i)).cancel().catch(() => undefined))); // may be closed already
