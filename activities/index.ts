@@ -3,6 +3,7 @@
 import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
 import { checkpoint, refit, trainStep } from './actor';
+import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
@@ -27,6 +28,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
     checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
+    evaluate: (input: EvaluateInput) => failFast(evaluate(router, input)),
   };
 }
 

@@ -38,27 +38,36 @@ export interface RolloutManifest {
 
 // How one episode is run, by either agent form: given its index and the engine call bound to its
 // router session, it returns the episode's segments (one trajectory each) and its reward.
-interface Episode { segments: Trajectory[]; reward: number; finish: string }
-type EpisodeRunner = (episode: number, generate: (body: GenerateRequest) => Promise<GenerateResponse>) => Promise<Episode>;
+// Evaluation (activities/evaluate.ts) runs its episodes through the same runners.
+export interface Episode { segments: Trajectory[]; reward: number; finish: string }
+export type EpisodeRunner = (episode: number, generate: (body: GenerateRequest) => Promise<GenerateResponse>) => Promise<Episode>;
+
+// The recipe's agent module; one that does not load fails the same way on every retry: stop at once.
+export async function loadRecipeAgent(recipeDir: string, config: RecipeConfig): Promise<{ modulePath: string; runner: EnvAgentRunner | ChatAgentRunner }> {
+  const modulePath = path.resolve(recipeDir, config.agent);
+  const runner = await loadAgentRunner(modulePath).catch((e) => {
+    throw ApplicationFailure.nonRetryable((e as Error).message, 'AgentModuleError');
+  });
+  return { modulePath, runner };
+}
+
+// The episodes of one prompt group (one task), in either agent form.
+export function episodeRunner(runner: EnvAgentRunner | ChatAgentRunner, modulePath: string, config: RecipeConfig, task: GroupTask): EpisodeRunner {
+  return runner.kind === 'env' ? envEpisodes(runner, modulePath, config, task) : chatEpisodes(runner, modulePath, config, task);
+}
 
 export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput): Promise<GroupResult> {
   const started = Date.now();
   const ctx = Context.current();
   const { runId, groupIndex, config } = input;
-  const modulePath = path.resolve(input.recipeDir, config.agent);
-  // A module that does not load fails the same way on every retry: stop at once.
-  const runner = await loadAgentRunner(modulePath).catch((e) => {
-    throw ApplicationFailure.nonRetryable((e as Error).message, 'AgentModuleError');
-  });
+  const { modulePath, runner } = await loadRecipeAgent(input.recipeDir, config);
 
   const previous = ctx.info.heartbeatDetails as RolloutManifest | undefined;
   const manifest: RolloutManifest = { done: { ...previous?.done }, failed: { ...previous?.failed }, partial: { ...previous?.partial } };
   if (previous) ctx.log.info('rolloutGroup resumed', { groupIndex, reused: Object.keys(manifest.done).length });
 
   const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
-  const runAgentEpisode = runner.kind === 'env'
-    ? envEpisodes(runner, modulePath, config, task)
-    : chatEpisodes(runner, modulePath, config, task);
+  const runAgentEpisode = episodeRunner(runner, modulePath, config, task);
 
   const runEpisode = async (episode: number) => {
     const session = `${runId}/g${groupIndex}/e${episode}`;

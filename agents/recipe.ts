@@ -71,6 +71,14 @@ export const RecipeConfig = z.strictObject({
     // a killed rollout worker regenerates at most this many tokens per unfinished episode.
     partial_tokens: z.number().int().positive().default(64),
   }).default({ max_failed_fraction: 0.5, partial_tokens: 64 }),
+  // Evaluation on held-out prompt groups (group indexes EVAL_GROUP_BASE + i, never trained), every
+  // `every` steps (0 = never): per prompt one greedy episode (temperature 0) and `samples` sampled ones.
+  eval: z.strictObject({
+    every: z.number().int().min(0).default(0),
+    prompts: z.number().int().positive().default(16),
+    samples: z.number().int().positive().default(4),
+    greedy: z.boolean().default(true),
+  }).default({ every: 0, prompts: 16, samples: 4, greedy: true }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
 });
 export type RecipeConfig = z.infer<typeof RecipeConfig>;

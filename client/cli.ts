@@ -7,6 +7,7 @@ import { loadRecipe, RecipeError, resolveModelDir, type RecipeConfig } from '../
 import { checkpointUpdate, LIVE_SETTINGS, pauseUpdate, resumeUpdate, setUpdate, type ControlState, type Settings } from '../workflows/control';
 import { progressQuery, runWorkflowId, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
 import { RunNotFound, UsageError } from './errors';
+import { evalCheckpoint } from './eval';
 import { follow, formatSeconds } from './follow';
 import { plotRun } from './plot';
 import { scheduleCommand, SCHEDULE_USAGE } from './schedule';
@@ -22,6 +23,7 @@ const USAGE = `usage: molt-client <command>
   set <runId> --algo.lr 1e-4 [--batch.groups 8 ...]                    change live settings from the next step
   checkpoint <runId>                                                    save a checkpoint now (after a step in progress)
   plot <runId> [--store DIR] [--out FILE.png]                           reward, loss, logprob mismatch, throughput curves
+  eval <checkpointDir> <recipeDir> [--prompts N] [--samples N]        held-out evaluation of a checkpoint (greedy, pass@1, pass@n)
 ${SCHEDULE_USAGE}
 live settings: ${Object.keys(LIVE_SETTINGS).join(', ')}
 environment: MOLT_TEMPORAL_ADDRESS (default localhost:7233), MOLT_TEMPORAL_UI (default http://localhost:8233)`;
@@ -255,6 +257,15 @@ async function main(argv: string[]): Promise<void> {
       if (!runId) throw new UsageError(`plot: missing <runId>\n${USAGE}`);
       const { png, tensorboard } = await plotRun(runId, args.overrides.store, args.overrides.out);
       console.log(`wrote ${png}\nTensorBoard events in ${tensorboard}`);
+      return;
+    }
+    case 'eval': {
+      const [checkpointDir, recipeDir] = args.positional;
+      if (!checkpointDir || !recipeDir) throw new UsageError(`eval: missing <checkpointDir> <recipeDir>\n${USAGE}`);
+      const r = await evalCheckpoint(checkpointDir, recipeDir, args.overrides);
+      console.log(`${checkpointDir}: ${r.prompts} held-out prompts, ${r.samples} samples each`);
+      console.log(`  greedy reward ${r.greedy_reward?.toFixed(4) ?? '-'}, sample reward mean ${r.sample_reward_mean.toFixed(4)}`);
+      console.log(`  pass@1 ${r['pass@1'].toFixed(4)}, pass@${r.samples} ${r['pass@n'].toFixed(4)} (a sample passes when its reward >= 1), ${r.failed} episodes failed`);
       return;
     }
     case 'schedule':

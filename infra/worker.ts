@@ -18,10 +18,10 @@ export interface RunningWorkers {
 export async function runWorkers(opts: { temporalAddress: string; endpoints: ServiceEndpoints; queues?: QueueName[]; namespace?: string }): Promise<RunningWorkers> {
   const connection = await NativeConnection.connect({ address: opts.temporalAddress });
   const common = { connection, namespace: opts.namespace ?? 'default' };
-  const { rolloutGroup, trainStep, refit, checkpoint, recordMetrics } = createActivities(opts.endpoints);
+  const { rolloutGroup, evaluate, trainStep, refit, checkpoint, recordMetrics } = createActivities(opts.endpoints);
   const make: Record<QueueName, () => Promise<Worker>> = {
     control: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts') }),
-    rollout: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup } }),
+    rollout: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup, evaluate } }),
     // One optimizer step at a time: the actor is a single trainer.
     actor: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint, recordMetrics }, maxConcurrentActivityTaskExecutions: 1 }),
   };

@@ -1,5 +1,6 @@
 // The record of one step in metrics.jsonl: every actor metric as the actor named it, plus what only
 // the loop sees: rewards and pass rate of the batch, tokens, staleness, drops, and where the time went.
+import type { EvaluateResult } from '../activities/evaluate';
 import type { GroupResult } from '../activities/types';
 import type { AlgoConfig } from '../agents/recipe';
 import type { Dropped } from './train-run';
@@ -42,4 +43,14 @@ export function stepMetrics(o: {
     'control/lr': o.algo.lr,
     'control/batch_groups': o.batch.length,
   };
+}
+
+// An evaluation's figures as eval/... keys, merged into the line of the step it evaluated.
+export function evalMetrics(r: EvaluateResult): Record<string, number> {
+  const metrics: Record<string, number> = {
+    'eval/sample_reward_mean': r.sample_reward_mean, 'eval/pass@1': r['pass@1'], [`eval/pass@${r.samples}`]: r['pass@n'],
+    'eval/prompts': r.prompts, 'eval/failed_episodes': r.failed, 'eval/version_min': r.version_min, 'eval/version_max': r.version_max,
+  };
+  if (r.greedy_reward !== null) metrics['eval/greedy_reward'] = r.greedy_reward;
+  return metrics;
 }

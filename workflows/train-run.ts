@@ -18,7 +18,7 @@ import {
   applySettings, checkpointUpdate, currentSettings, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type LiveSetting,
 } from './control';
 import type { promptGroup } from './prompt-group';
-import { stepMetrics } from './step-metrics';
+import { evalMetrics, stepMetrics } from './step-metrics';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion, stepDetails } from './visibility';
 
 export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
@@ -99,6 +99,15 @@ const { recordMetrics } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.actor,
   startToCloseTimeout: '1 minute',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
+});
+
+// Held-out evaluation (activities/evaluate.ts) on the rollout workers. It writes nothing, so a retry
+// just runs it again; one that keeps failing is logged and skipped, never stops training.
+const { evaluate } = proxyActivities<Activities>({
+  taskQueue: TASK_QUEUES.rollout,
+  startToCloseTimeout: '2 hours',
+  heartbeatTimeout: '5 minutes', // a heartbeat per finished episode
+  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute', maximumAttempts: 3 },
 });
 
 export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
@@ -207,7 +216,11 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       // Written while the next batch gathers: the loop does not wait on it (each round trip costs),
       // but the lines go in step order (a later step's write waits for the earlier one).
       const metrics = stepMetrics({ step, batch, algo, actor: run.lastMetrics, dropped: run.dropped, times, lastStepAt: run.lastStepAt, generated: run.tokens - run.tokensAtLastStep });
-      metricsWritten = metricsWritten.then(() => recordMetrics.executeWithOptions({ summary: `metrics of step ${step}` }, [{ runId, step, metrics }]));
+      // Every eval.every steps the new policy is evaluated, also while the loop goes on; its eval/...
+      // figures join this step's line, so the lines stay one per step, in step order.
+      const evaluated = config.eval.every > 0 && step % config.eval.every === 0 ? evaluateStep(step) : Promise.resolve({});
+      metricsWritten = metricsWritten.then(async () => recordMetrics.executeWithOptions(
+        { summary: `metrics of step ${step}` }, [{ runId, step, metrics: { ...metrics, ...(await evaluated) } }]));
       run.lastStepAt = Date.now();
       run.tokensAtLastStep = run.tokens;
       if (searchable) {
@@ -263,6 +276,18 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         return true;
       });
       if (run.ready.length >= config.batch.groups) return run.ready.splice(0, config.batch.groups);
+    }
+  }
+
+  async function evaluateStep(step: number): Promise<Record<string, number>> {
+    const { prompts, samples } = config.eval;
+    try {
+      const result = await evaluate.executeWithOptions(
+        { summary: `evaluate step ${step}: ${prompts} held-out prompts, greedy + ${samples} samples` }, [{ runId, step, recipeDir, config }]);
+      return evalMetrics(result);
+    } catch (err) {
+      log.warn('evaluation failed; training goes on', { step, error: (err as Error).message });
+      return {};
     }
   }
 

@@ -1,0 +1,87 @@
+// Activity evaluate: the policy on held-out prompt groups, nothing trained and nothing written to the
+// trajectory store. Held-out group i is group index EVAL_GROUP_BASE + i (training counts up from 0,
+// so it never reaches them); each gets one greedy episode (temperature 0) and `samples` sampled ones
+// (the recipe's sampling), through the same episode runners as rolloutGroup.
+//
+// An episode "passes" when its reward is >= 1: a recipe whose reward is 1 for a solved task (and
+// less otherwise) gets pass@k in the usual sense. With c passing samples out of n for a prompt:
+//   pass@1 = mean over prompts of c / n
+//   pass@n = mean over prompts of [c > 0]
+// An episode the agent or the engine refused (AgentError, a 400) counts as reward 0, failed.
+import { Context } from '@temporalio/activity';
+import { deriveSeed, AgentError } from '../agents/env-runner';
+import type { RecipeConfig } from '../agents/recipe';
+import type { EngineRouter } from '../agents/router';
+import { ServiceError } from './gpu-client';
+import { episodeRunner, loadRecipeAgent, type EpisodeRunner } from './rollout';
+
+export const EVAL_GROUP_BASE = 1_000_000_000;
+
+export interface EvaluateInput { runId: string; step: number; recipeDir: string; config: RecipeConfig }
+export interface EvaluateResult {
+  step: number;
+  prompts: number;
+  samples: number; // n
+  greedy_reward: number | null; // mean over prompts; null when config.eval.greedy is off
+  sample_reward_mean: number;
+  'pass@1': number;
+  'pass@n': number;
+  failed: number; // episodes refused by the agent or the engine
+  version_min: number; // policy versions the sampled tokens came from (the loop keeps training meanwhile)
+  version_max: number;
+}
+
+export async function evaluate(router: EngineRouter, input: EvaluateInput): Promise<EvaluateResult> {
+  const ctx = Context.current();
+  const { runId, step, config } = input;
+  const { prompts, samples, greedy } = config.eval;
+  const { modulePath, runner } = await loadRecipeAgent(input.recipeDir, config);
+  const greedyConfig = { ...config, sampling: { ...config.sampling, temperature: 0 } };
+  const versions = { min: Infinity, max: -Infinity };
+  let failed = 0;
+
+  // One episode: its reward, 0 if the agent or the engine refused it.
+  const run = async (episodes: EpisodeRunner, groupIndex: number, episode: number): Promise<number> => {
+    const session = `eval/${runId}/s${step}/g${groupIndex}/e${episode}`;
+    try {
+      const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal));
+      result.segments.forEach((t) => t.versions.forEach((v, i) => {
+        if (t.lossMask[i]) { versions.min = Math.min(versions.min, v); versions.max = Math.max(versions.max, v); }
+      }));
+      return result.reward;
+    } catch (e) {
+      if (!(e instanceof AgentError || (e instanceof ServiceError && e.status === 400))) throw e; // engines down: retry
+      failed++;
+      ctx.log.warn('eval episode failed', { groupIndex, episode, error: (e as Error).message });
+      return 0;
+    } finally {
+      router.endSession(session);
+      ctx.heartbeat();
+    }
+  };
+
+  const perPrompt = await Promise.all(Array.from({ length: prompts }, async (_, i) => {
+    const groupIndex = EVAL_GROUP_BASE + i;
+    const task = { groupIndex, seed: deriveSeed(config.seed, groupIndex) };
+    const sampled = episodeRunner(runner, modulePath, config, task);
+    // Episode indexes after the samples', so a chat agent's greedy calls get seeds of their own.
+    const [greedyReward, sampleRewards] = await Promise.all([
+      greedy ? run(episodeRunner(runner, modulePath, greedyConfig, task), groupIndex, samples) : null,
+      Promise.all(Array.from({ length: samples }, (_, e) => run(sampled, groupIndex, e))),
+    ]);
+    return { greedyReward, sampleRewards };
+  }));
+
+  const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+  const passes = perPrompt.map((p) => p.sampleRewards.filter((r) => r >= 1).length); // c per prompt
+  return {
+    step, prompts, samples,
+    greedy_reward: greedy ? mean(perPrompt.map((p) => p.greedyReward!)) : null,
+    sample_reward_mean: mean(perPrompt.flatMap((p) => p.sampleRewards)),
+    'pass@1': mean(passes.map((c) => c / samples)),
+    'pass@n': mean(passes.map((c) => (c > 0 ? 1 : 0))),
+    failed,
+    version_min: Number.isFinite(versions.min) ? versions.min : -1,
+    version_max: Number.isFinite(versions.max) ? versions.max : -1,
+  };
+}
