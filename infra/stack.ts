@@ -182,7 +182,9 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
       const uiPort = opts.temporal?.uiPort ?? (await freePort());
       const args = ['server', 'start-dev', '--db-filename', path.join(stateDir, 'temporal.db'), '--port', String(port),
         '--ui-port', String(uiPort), '--http-port', String(await freePort()), '--metrics-port', String(await freePort()),
-        '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a])];
+        '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a]),
+        // One partition per task queue: with several, a task can sit in a partition no poller is on.
+        '--dynamic-config-value', 'matching.numTaskqueueReadPartitions=1', '--dynamic-config-value', 'matching.numTaskqueueWritePartitions=1'];
       await launch('temporal', path.join(VENV_BIN, 'temporal'), args, {}, () => tcpOpen(port)).ready();
       temporalAddress = `127.0.0.1:${port}`;
       uiUrl = `http://localhost:${uiPort}`;
