@@ -160,10 +160,18 @@ export class ChatSession {
   private glueAfterReply(replyRender: string): string | null {
     const sampledText = this.decode(this.sampledIds);
     if (replyRender.startsWith(sampledText)) return replyRender.slice(sampledText.length);
+    // The turn ended on a stop token the template does not write there (e.g. <|endoftext|> where the
+    // template closes with <|im_end|>): keep the model's ids, stop token included, and append the
+    // template's own close of the turn.
+    const last = this.sampledIds[this.sampledIds.length - 1];
+    const stopped = last !== undefined && this.opts.defaults.stop_token_ids.includes(last);
+    const body = this.decode(this.sampledIds.slice(0, -1));
+    if (stopped && replyRender.startsWith(body) && !replyRender.slice(body.length).startsWith(this.decode([last]))) {
+      return replyRender.slice(body.length);
+    }
     // The template re-formats the reply (e.g. tool-call JSON spacing): the model's own ids stand for
     // the whole turn up to its end-of-turn token, and the glue is what follows that token.
-    const last = this.sampledIds[this.sampledIds.length - 1];
-    if (last === undefined || !this.opts.defaults.stop_token_ids.includes(last)) return null;
+    if (!stopped) return null;
     const endOfTurn = this.decode([last]);
     const at = replyRender.lastIndexOf(endOfTurn);
     return at < 0 ? null : replyRender.slice(at + endOfTurn.length);

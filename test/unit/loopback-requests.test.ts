@@ -192,3 +192,29 @@ test('a failed generation leaves the session unchanged, so the retry appends the
   const obs = template.tokenizer.encode('\n<|im_start|>user\ny<|im_end|>\n<|im_start|>assistant\n');
   expect(session.segments()).toEqual([expect.objectContaining({ tokens: [...prompts[0], 104, IM_END, ...obs, 105, IM_END] })]);
 });
+
+// A turn that ends on <|endoftext|> (also a stop id) with bytes that are not valid UTF-8: the template
+// closes the turn with <|im_end|>, which the model never wrote. The sampled ids stay exactly as they
+// are (stop token included) and only the template's close plus the new message is appended, in the
+// same segment — decoding the reply and re-encoding it would have turned the bytes into U+FFFD.
+test('a turn ending on another stop token keeps its ids; the template close is appended', async () => {
+  const ENDOFTEXT = 256;
+  const prompts: number[][] = [];
+  const reply1 = [19, 140, 252, ENDOFTEXT];
+  const generate: GenerateFn = async (_id, prompt) => {
+    prompts.push(prompt);
+    const ids = prompts.length === 1 ? reply1 : [...bytes('ok'), IM_END];
+    return { token_ids: ids, logprobs: ids.map(() => -0.5), versions: ids.map(() => 7), finish_reason: 'stop' };
+  };
+  const { session, openaiBaseURL } = open(generate);
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'hi' }];
+  const r1 = await client.chat.completions.create({ model: 'policy', messages });
+  messages.push(r1.choices[0].message as OpenAI.ChatCompletionMessageParam, { role: 'user', content: 'go on' });
+  await client.chat.completions.create({ model: 'policy', messages });
+
+  const close = template.tokenizer.encode('<|im_end|>\n<|im_start|>user\ngo on<|im_end|>\n<|im_start|>assistant\n');
+  expect(prompts[1]).toEqual([...prompts[0], ...reply1, ...close]);
+  expect(session.segments()).toHaveLength(1);
+  expect(template.tokenizer.encode(template.tokenizer.decode(reply1.slice(0, -1)))).not.toEqual(reply1.slice(0, -1));
+});
