@@ -71,3 +71,14 @@ def moe_routers(model) -> list[torch.nn.Module]:
 
 def token_from_env() -> str | None:
     return os.environ.get("MOLT_TOKEN") or None
+
+
+def check_generate_ids(req, vocab_size: int, max_len: int, limit_name: str) -> None:
+    """The checks every engine backend makes before it queues a GenerateRequest; a ValueError names the problem."""
+    for what, ids in (("prompt_token_ids", req.prompt_token_ids), ("sampling.stop_token_ids", req.sampling.stop_token_ids)):
+        for i, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    if len(req.prompt_token_ids) >= max_len:
+        raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; this engine allows at most "
+                         f"{max_len - 1} so that one token can be generated ({limit_name} {max_len})")

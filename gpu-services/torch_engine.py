@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from common import check_model_dir, load_causal_lm, moe_routers
+from common import check_generate_ids, check_model_dir, load_causal_lm, moe_routers
 from contract import GenerateRequest, SamplingParams, WeightReceiveRequest
 from weight_transfer import open_group, recv_bucket
 
@@ -128,13 +128,7 @@ class TorchEngine:
     def submit(self, req: GenerateRequest) -> tuple[str, AsyncIterator[Event]]:
         """Validate and queue a request (ValueError names the problem); returns its id and its events.
         Call from the event loop: events are handed over with call_soon_threadsafe."""
-        for what, ids in (("prompt_token_ids", req.prompt_token_ids), ("sampling.stop_token_ids", req.sampling.stop_token_ids)):
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
-        if len(req.prompt_token_ids) >= self.max_len:
-            raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; this model allows at most "
-                             f"{self.max_len - 1} so that one token can be generated (max_position_embeddings {self.max_len})")
+        check_generate_ids(req, self.vocab_size, self.max_len, "max_position_embeddings")
         if req.return_routed_experts and not self._routers:
             raise ValueError(f"return_routed_experts: model {self.name!r} has no MoE routers")
         loop = asyncio.get_running_loop()

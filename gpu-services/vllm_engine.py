@@ -34,7 +34,7 @@ from typing import AsyncIterator, Optional
 import torch
 from safetensors import safe_open
 
-from common import check_model_dir
+from common import check_generate_ids, check_model_dir
 from contract import GenerateRequest, WeightReceiveRequest
 from weight_transfer import open_group, recv_bucket
 
@@ -136,13 +136,7 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        for what, ids in (("prompt_token_ids", req.prompt_token_ids), ("sampling.stop_token_ids", req.sampling.stop_token_ids)):
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.vocab_size:
-                    raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
-        if len(req.prompt_token_ids) >= self.max_len:
-            raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; this engine allows at most "
-                             f"{self.max_len - 1} so that one token can be generated (max_model_len {self.max_len})")
+        check_generate_ids(req, self.vocab_size, self.max_len, "max_model_len")
         if req.return_routed_experts:
             raise ValueError("return_routed_experts is not supported by the engine server yet")
         request_id = req.request_id or uuid.uuid4().hex
