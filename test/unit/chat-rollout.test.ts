@@ -11,27 +11,16 @@ import { ChatTemplate } from '../../agents/chat-template';
 import { loadAgentRunner } from '../../agents/contract';
 import { deriveSeed } from '../../agents/env-runner';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
-import { EngineRouter } from '../../agents/router';
-import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
+import type { GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { decodeSafetensors, readTrajectory, type Trajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { copyReward, copyTarget } from '../../recipes/copy/agent';
-import { freePort, PYTHON, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
+import { RecordingRouter, freePort, PYTHON, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
 const FIXTURES = path.join(__dirname, 'fixtures');
 const GROUP = 4;
 const SEED = 9;
-
-// The real router, keeping what the engine returned for each request so tests compare against it.
-class RecordingRouter extends EngineRouter {
-  calls: { session: string; body: GenerateRequest; res: GenerateResponse }[] = [];
-  async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
-    const res = await super.generate(session, body, signal);
-    this.calls.push({ session, body, res });
-    return res;
-  }
-}
 
 let engine: Service;
 let storeRoot: string;

@@ -2,9 +2,13 @@
 // kept low (the machine is shared), killed after the test file.
 import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import * as fs from 'node:fs';
-import * as net from 'node:net';
 import * as path from 'node:path';
+import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
 import { REPO_ROOT, resolveModelDir } from '../../agents/recipe';
+import { EngineRouter } from '../../agents/router';
+import { freePort } from '../../infra/stack';
+
+export { freePort };
 
 export const PYTHON = path.join(REPO_ROOT, '.venv', 'bin', 'python');
 export const TOKEN = 't';
@@ -15,17 +19,6 @@ export function tinyModel(): string {
     execFileSync(PYTHON, ['gpu-services/make_tiny_model.py', '--out', dir], { cwd: REPO_ROOT });
   }
   return dir;
-}
-
-export function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const srv = net.createServer();
-    srv.listen(0, '127.0.0.1', () => {
-      const port = (srv.address() as net.AddressInfo).port;
-      srv.close(() => resolve(port));
-    });
-    srv.on('error', reject);
-  });
 }
 
 export interface Service { url: string; proc: ChildProcess; log: () => string; stop: () => Promise<void> }
@@ -65,4 +58,14 @@ export function startEngine(model: string, ...extra: string[]): Promise<Service>
 export function startActor(model: string, stateDir: string, ...extra: string[]): Promise<Service> {
   return startService('actor', ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node=1',
     'gpu-services/actor.py', '--model', model, '--state-dir', stateDir, ...extra]);
+}
+
+// The real router, keeping what the engine returned for each request so tests compare against it.
+export class RecordingRouter extends EngineRouter {
+  calls: { session: string; body: GenerateRequest; res: GenerateResponse }[] = [];
+  async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
+    const res = await super.generate(session, body, signal);
+    this.calls.push({ session, body, res });
+    return res;
+  }
 }

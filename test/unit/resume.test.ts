@@ -9,26 +9,16 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
-import { EngineRouter } from '../../agents/router';
-import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
+import type { GenerateRequest } from '../../activities/gpu-client';
 import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
 import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from '../../activities/types';
-import { startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
+import { RecordingRouter, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
 const FIXTURES = path.join(__dirname, 'fixtures');
 const SHORT = 4;
 const LONG = 600;
-
-class RecordingRouter extends EngineRouter {
-  calls: { session: string; body: GenerateRequest; res: GenerateResponse }[] = [];
-  async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
-    const res = await super.generate(session, body, signal);
-    this.calls.push({ session, body, res });
-    return res;
-  }
-}
 
 let engine: Service;
 let storeRoot: string;
