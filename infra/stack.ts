@@ -53,6 +53,18 @@ export async function freePort(): Promise<number> {
   });
 }
 
+// n distinct free ports: every listener stays open until all n have their port.
+async function freePorts(n: number): Promise<number[]> {
+  const servers = await Promise.all(Array.from({ length: n }, () => new Promise<net.Server>((resolve, reject) => {
+    const server = net.createServer();
+    server.once('error', reject);
+    server.listen(0, '127.0.0.1', () => resolve(server));
+  })));
+  const ports = servers.map((server) => (server.address() as net.AddressInfo).port);
+  await Promise.all(servers.map((server) => new Promise((resolve) => server.close(resolve))));
+  return ports;
+}
+
 async function waitFor(what: string, check: () => Promise<boolean>, proc: ChildProcess, log: string, timeoutMs = 180_000) {
   const deadline = Date.now() + timeoutMs;
   while (Date.now() < deadline) {
@@ -178,14 +190,28 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     if (opts.temporal && 'address' in opts.temporal) {
       temporalAddress = opts.temporal.address;
     } else {
-      const port = opts.temporal?.port ?? (await freePort());
-      const uiPort = opts.temporal?.uiPort ?? (await freePort());
-      const args = ['server', 'start-dev', '--db-filename', path.join(stateDir, 'temporal.db'), '--port', String(port),
-        '--ui-port', String(uiPort), '--http-port', String(await freePort()), '--metrics-port', String(await freePort()),
-        '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a]),
-        // One partition per task queue: with several, a task can sit in a partition no poller is on.
-        '--dynamic-config-value', 'matching.numTaskqueueReadPartitions=1', '--dynamic-config-value', 'matching.numTaskqueueWritePartitions=1'];
-      await launch('temporal', path.join(VENV_BIN, 'temporal'), args, {}, () => tcpOpen(port)).ready();
+      // A port picked free can be taken by another process before the server binds it: on an early
+      // exit, try again with new ports (unless the caller fixed them).
+      let port = 0;
+      let uiPort = 0;
+      for (let attempt = 1; ; attempt++) {
+        const [p, ui, http, metrics] = await freePorts(4);
+        port = opts.temporal?.port ?? p;
+        uiPort = opts.temporal?.uiPort ?? ui;
+        const args = ['server', 'start-dev', '--db-filename', path.join(stateDir, 'temporal.db'), '--port', String(port),
+          '--ui-port', String(uiPort), '--http-port', String(http), '--metrics-port', String(metrics),
+          '--log-level', 'warn', ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a]),
+          // One partition per task queue: with several, a task can sit in a partition no poller is on.
+          '--dynamic-config-value', 'matching.numTaskqueueReadPartitions=1', '--dynamic-config-value', 'matching.numTaskqueueWritePartitions=1'];
+        const launched = launch('temporal', path.join(VENV_BIN, 'temporal'), args, {}, () => tcpOpen(port));
+        try {
+          await launched.ready();
+          break;
+        } catch (err) {
+          if (attempt === 3 || launched.proc.exitCode === null) throw err;
+          say(`temporal exited at start (attempt ${attempt}), retrying with other ports`);
+        }
+      }
       temporalAddress = `127.0.0.1:${port}`;
       uiUrl = `http://localhost:${uiPort}`;
       say(`temporal ${temporalAddress}, UI ${uiUrl}`);
@@ -194,15 +220,15 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     const engineCount = opts.engines ?? 1;
     const engines: string[] = [];
     const ready: Promise<void>[] = [];
+    const [actorPort, ...enginePorts] = await freePorts(engineCount + 1);
     for (let i = 0; i < engineCount; i++) {
-      const port = await freePort();
+      const port = enginePorts[i];
       const url = `http://127.0.0.1:${port}`;
       engines.push(url);
       ready.push(launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
         ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])],
         {}, () => healthy(url, token)).ready());
     }
-    const actorPort = await freePort();
     const actor = `http://127.0.0.1:${actorPort}`;
     ready.push(launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
       `--nproc-per-node=${opts.actorWorldSize ?? 1}`, 'gpu-services/actor.py', '--model', opts.modelDir,
