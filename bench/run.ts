@@ -128,9 +128,9 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     ...(keep && abort ? ['', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`] : []),
     '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2', '',
     'Trajectories/s over the steps after the first; a size cut off at its time budget is measured on the steps it did.', '',
-    '| groups in flight | steps done | finished | seconds | trajectories/s | steps/s | trainRun events/step | events/group | events/step (all) | worker CPU s/step | server CPU s/step | cores busy |',
-    '|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...report.scale.map((r) => `| ${r.inflight} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.runEventsPerStep)} | ${r.groupEvents} | ${f(r.eventsPerStep)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
+    '| groups in flight | steps done | finished | seconds | trajectories/s | steps/s | history events/step | events/group trained | worker CPU s/step | server CPU s/step | cores busy |',
+    '|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...report.scale.map((r) => `| ${r.inflight} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.eventsPerStep)} | ${f(r.eventsPerGroup, 1)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
     '', '## 5. Engine and refit (bench/engine.py)', '', report.engineMarkdown ?? (smoke ? '(engine benchmark skipped in --smoke)\n' : '(not run yet)\n'),
   ].join('\n');
 }

@@ -1,4 +1,4 @@
-// Orchestration scale: the real workflows (trainRun, promptGroup) on a real Temporal dev server,
+// Orchestration scale: the real workflow (trainRun and its activities) on a real Temporal dev server,
 // with activities that do no model work — rolloutGroup returns a GroupResult at once, and the
 // actor's activities answer at once — so what is measured is Temporal and the workflows alone:
 // trajectories per second as the prompt groups in flight grow, history events per training step,
@@ -22,9 +22,8 @@ export interface ScaleRow {
   finished: boolean; // false: cut off at the time budget
   trajectoriesPerSecond: number | null; // trained episodes / wall time between the first and the last step
   stepsPerSecond: number | null;
-  runEventsPerStep: number; // trainRun history events (all runs of its continue-as-new chain) / steps
-  groupEvents: number; // history events of one promptGroup
-  eventsPerStep: number; // run events per step + batch.groups x group events
+  eventsPerStep: number; // trainRun history events (all runs of its continue-as-new chain) / steps
+  eventsPerGroup: number; // the same per group trained (events per step / batch.groups)
   workerCpuPerStep: number; // CPU seconds of this process (workflow + activity worker) per step
   serverCpuPerStep: number; // CPU seconds of the Temporal dev server per step
   coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
@@ -111,13 +110,12 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
       const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
         .reduce((a, h) => a + (h.events?.length ?? 0), 0);
-      const groupEvents = (await client.workflow.getHandle(`${runWorkflowId(runId)}-g0`).fetchHistory()).events?.length ?? 0;
       rows.push({
         inflight, batchGroups, steps: Math.max(done, 0), seconds: runSeconds, finished,
         // null when fewer than 2 steps were done within the budget: no steady state to measure
         trajectoriesPerSecond: done >= 2 ? ((done - 1) * batchGroups * config.group_size) / wall : null,
         stepsPerSecond: done >= 2 ? (done - 1) / wall : null,
-        runEventsPerStep: runEvents / Math.max(done, 1), groupEvents, eventsPerStep: runEvents / Math.max(done, 1) + batchGroups * groupEvents,
+        eventsPerStep: runEvents / Math.max(done, 1), eventsPerGroup: runEvents / Math.max(done, 1) / batchGroups,
         workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
       });
     }

@@ -1,3 +1,2 @@
 // The workflows the molt-control worker runs.
 export { trainRun } from './train-run';
-export { promptGroup } from './prompt-group';

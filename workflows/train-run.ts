@@ -3,13 +3,15 @@
 // go on until `train.steps` steps are done. Groups keep generating while a step trains.
 //
 // Durable state is this workflow's own: the pool (groups in flight, results ready, next group
-// index), the step, and the metrics. A finished group reaches the loop as a signal carrying
-// blob references only; continue-as-new carries the pool across, so in-flight groups (child
-// workflows that outlive the run that started them) deliver to the next run.
+// index), the step, and the metrics. A prompt group is one `rolloutGroup` activity of this run
+// (not a child workflow: a child costs ~4x the history events and workflow tasks of an activity,
+// which made orchestration the bottleneck of a small step; bench/ item 1). An activity cannot
+// outlive its run, so before continue-as-new the run drains: it stops starting groups, trains the
+// batches that still form, and continues as new once no group is in flight, carrying the results
+// not yet trained. That happens once per few thousand history events (tens of steps).
 import {
-  allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery, defineSignal,
-  getExternalWorkflowHandle, log, ParentClosePolicy, proxyActivities, setCurrentDetails, setHandler, startChild,
-  upsertSearchAttributes, workflowInfo,
+  ActivityFailure, allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery,
+  isCancellation, log, proxyActivities, setCurrentDetails, setHandler, upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
@@ -17,16 +19,13 @@ import type { RecipeConfig } from '../agents/recipe';
 import {
   applySettings, checkpointUpdate, currentSettings, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type LiveSetting,
 } from './control';
-import type { promptGroup } from './prompt-group';
 import { evalMetrics, stepMetrics } from './step-metrics';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion, stepDetails } from './visibility';
 
 export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
 export const runWorkflowId = (runId: string) => `molt-${runId}`;
-export const groupWorkflowId = (runId: string, groupIndex: number) => `molt-${runId}-g${groupIndex}`;
+export const groupActivityId = (groupIndex: number) => `group-${groupIndex}`;
 
-// A prompt group reports its result (it may report twice: only the first counts).
-export const groupDone = defineSignal<[GroupResult]>('groupDone');
 export const progressQuery = defineQuery<Progress>('progress');
 
 export interface Progress {
@@ -51,7 +50,6 @@ export interface Dropped { stale: number; empty: number }
 export interface Carried {
   step: number; // steps done; the policy version is the last step (0 = initial weights)
   nextGroupIndex: number;
-  inflight: number[]; // groups started whose result has not arrived
   ready: GroupResult[]; // results not yet trained, in arrival order
   dropped: Dropped;
   tokens: number;
@@ -86,6 +84,17 @@ export interface TrainRunSummary {
   dropped: Dropped;
 }
 
+// One prompt group: G episodes of the recipe's agent. A lost worker shows as a missed heartbeat;
+// the retry resumes from the heartbeated manifest. Agent errors are counted per episode inside the
+// activity, so an activity failure is infrastructure: retry it until it works, unless it says it
+// never will (non-retryable).
+const { rolloutGroup } = proxyActivities<Activities>({
+  taskQueue: TASK_QUEUES.rollout,
+  startToCloseTimeout: '2 hours',
+  heartbeatTimeout: '60 seconds',
+  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
+});
+
 // trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
 // activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
 const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
@@ -115,24 +124,50 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const { recipeDir } = input;
   let config = input.config; // live settings (the `set` update) change it from the next step
   const run: Carried = input.carried ?? {
-    step: 0, nextGroupIndex: 0, inflight: [], ready: [], dropped: { stale: 0, empty: 0 },
+    step: 0, nextGroupIndex: 0, ready: [], dropped: { stale: 0, empty: 0 },
     tokens: 0, startedAt: Date.now(), rewardMean: null, rewardHistory: [], lastMetrics: {}, checkpoint: null,
     paused: false, lastStepAt: Date.now(), tokensAtLastStep: 0,
   };
-  const inflight = new Set(run.inflight);
+  const inflight = new Set<number>(); // groups started by this run whose result has not arrived
   let state: Progress['state'] = 'running';
   let actorBusy = false; // see withActor
+  let draining = false; // the history is full: no new groups; continue as new once none is in flight
   // Search attributes are upserted only when the client set MoltRecipe at start, i.e. when the
   // server has them registered: upserting an unknown attribute would fail every workflow task.
   const searchable = workflowInfo().typedSearchAttributes.get(MoltRecipe) !== undefined;
 
   let fatal: string | undefined; // set when a group broke the failure budget: stop, checkpoint, fail the run
-  setHandler(groupDone, (result) => {
-    if (!inflight.delete(result.groupIndex)) return; // a re-sent or unknown result
-    if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
-    run.ready.push(result);
-    run.tokens += result.tokens;
-  });
+  // The groups' activities run in their own scope, cancelled when the run ends (the rest of the
+  // run is non-cancellable: see below).
+  const groups = new CancellationScope({ cancellable: true });
+  function startGroup(groupIndex: number): void {
+    inflight.add(groupIndex);
+    void groups.run(() => runGroup(groupIndex)).then((result) => {
+      if (result === null) return; // cancelled at the end of the run
+      inflight.delete(groupIndex);
+      if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
+      run.ready.push(result);
+      run.tokens += result.tokens;
+    });
+  }
+  async function runGroup(groupIndex: number): Promise<GroupResult | null> {
+    try {
+      return await rolloutGroup.executeWithOptions(
+        { activityId: groupActivityId(groupIndex), summary: `group ${groupIndex}: ${config.group_size} episodes` },
+        [{ runId, groupIndex, recipeDir, config }]);
+    } catch (err) {
+      if (isCancellation(err)) return null;
+      // A group that cannot run still frees its slot: it is dropped as empty. One whose agent
+      // failed more often than the recipe allows also stops the run.
+      const cause = err instanceof ActivityFailure ? err.cause : err;
+      log.error('rollout group failed for good', { groupIndex, error: String(cause) });
+      const overBudget = cause instanceof ApplicationFailure && cause.type === 'FailureBudgetExceeded';
+      return {
+        groupIndex, refs: [], rewards: [], failed: config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
+        ...(overBudget ? { fatal: cause.message } : {}),
+      };
+    }
+  }
   setHandler(progressQuery, (): Progress => {
     const elapsedSeconds = (Date.now() - run.startedAt) / 1000;
     return {
@@ -169,18 +204,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         await condition(() => !filling || (inflight.size < config.pool.inflight && run.ready.length < config.batch.groups));
         if (!filling) return;
         // Start every free slot at once: one workflow task for all of them, not one each.
-        const free = config.pool.inflight - inflight.size;
-        await Promise.all(Array.from({ length: free }, () => {
-          const groupIndex = run.nextGroupIndex++;
-          inflight.add(groupIndex);
-          return startChild<typeof promptGroup>('promptGroup', {
-            workflowId: groupWorkflowId(runId, groupIndex),
-            taskQueue: TASK_QUEUES.control,
-            args: [{ runId, groupIndex, recipeDir, config }],
-            parentClosePolicy: ParentClosePolicy.ABANDON, // survives continue-as-new
-            staticSummary: `group ${groupIndex} of ${runId}: ${config.group_size} episodes`,
-          });
-        }));
+        while (inflight.size < config.pool.inflight) startGroup(run.nextGroupIndex++);
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
@@ -190,7 +214,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     let stepsThisRun = 0;
     while (run.step < config.train.steps && state === 'running') {
       const batch = await nextBatch();
-      if (batch === null) break; // stopping while waiting: skip the step
+      if (batch === null) break; // stopping, or drained: skip the step
 
       const step = run.step + 1; // step s produces policy version s
       const refs = batch.flatMap((g) => g.refs);
@@ -230,22 +254,19 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
       stepsThisRun++;
       const historyFull = workflowInfo().continueAsNewSuggested || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
-      if (historyFull && state === 'running' && run.step < config.train.steps) {
-        await stopFilling();
-        await metricsWritten;
-        await condition(allHandlersFinished);
-        if (state === 'running') {
-          return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: { ...run, inflight: [...inflight] } });
-        }
-      }
+      if (historyFull && !draining) { draining = true; await stopFilling(); }
+    }
+    if (draining && state === 'running' && run.step < config.train.steps) { // drained: nothing in flight
+      await metricsWritten;
+      await condition(allHandlersFinished);
+      if (state === 'running') return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run });
     }
 
     // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
     await stopFilling();
     await metricsWritten;
     await withActor(async () => { if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint(); });
-    await Promise.all([...inflight].map((i) =>
-      getExternalWorkflowHandle(groupWorkflowId(runId, i)).cancel().catch(() => undefined))); // may be closed already
+    groups.cancel();
     const stopped = run.step < config.train.steps;
     state = 'done';
     showDetails();
@@ -259,23 +280,25 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     };
   });
 
-  // The first `batch.groups` usable results, in arrival order; null when stopping. A group is
-  // dropped when it has no finished episode, or (staleness_mode 'drop') when its oldest token is
-  // more than max_staleness versions behind the current policy. In 'mask' mode the actor masks
-  // the stale tokens instead.
+  // The first `batch.groups` usable results, in arrival order; null when stopping, or when draining
+  // and no group is left in flight. A group is dropped when it has no finished episode, or
+  // (staleness_mode 'drop') when its oldest token is more than max_staleness versions behind the
+  // current policy. In 'mask' mode the actor masks the stale tokens instead.
   // While paused, nothing is taken (the filler stops once a batch is waiting).
   async function nextBatch(): Promise<GroupResult[] | null> {
     const maxStaleness = config.algo.max_staleness;
     const dropStale = config.staleness_mode === 'drop' && maxStaleness !== null;
+    const drained = () => draining && inflight.size === 0;
     for (;;) {
-      await condition(() => (run.ready.length >= config.batch.groups && !run.paused) || state !== 'running');
+      await condition(() => (run.ready.length >= config.batch.groups && !run.paused) || state !== 'running' || drained());
       if (state !== 'running') return null;
       run.ready = run.ready.filter((g) => {
         if (g.rewards.length === 0) { run.dropped.empty++; return false; }
         if (dropStale && run.step - g.minVersion > maxStaleness) { run.dropped.stale++; return false; }
         return true;
       });
-      if (run.ready.length >= config.batch.groups) return run.ready.splice(0, config.batch.groups);
+      if (run.ready.length >= config.batch.groups && !run.paused) return run.ready.splice(0, config.batch.groups);
+      if (drained()) return null;
     }
   }
 

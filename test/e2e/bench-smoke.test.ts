@@ -31,7 +31,7 @@ test('bench --smoke writes a report with every part measured', () => {
   expect(report.scale.map((r: { inflight: number }) => r.inflight)).toEqual([4, 8]);
   for (const r of report.scale) {
     expect(r.trajectoriesPerSecond).toBeGreaterThan(0);
-    expect(r.groupEvents).toBeGreaterThan(0);
+    expect(r.eventsPerGroup).toBeGreaterThan(0);
   }
   expect(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.md'), 'utf8')).toContain('| smoke | 3 | 2 |');
 });

@@ -9,7 +9,7 @@ import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activ
 import { RecipeConfig } from '../../agents/recipe';
 import { runStartOptions } from '../../client/start-options';
 import { checkpointUpdate, pauseUpdate, resumeUpdate, setUpdate } from '../../workflows/control';
-import { groupWorkflowId, progressQuery, runWorkflowId, trainRun } from '../../workflows/train-run';
+import { groupActivityId, progressQuery, runWorkflowId, trainRun } from '../../workflows/train-run';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion } from '../../workflows/visibility';
 import { startTemporal, waitFor, withWorkers } from '../helpers/temporal';
 
@@ -132,8 +132,9 @@ test('the UI view: search attributes, summaries; one metrics record per step wit
     // The static summary belongs to the first run of the chain (continue-as-new does not carry it).
     const first = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId).describe();
     expect(await first.staticSummary()).toBe('ctl: 2 steps of 1 groups x 2 episodes, model tiny');
-    const child = await env.client.workflow.getHandle(groupWorkflowId('ui', 0)).describe();
-    expect(await child.staticSummary()).toBe('group 0 of ui: 2 episodes');
+    const history = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId).fetchHistory();
+    const scheduled = history.events!.find((e) => e.activityTaskScheduledEventAttributes?.activityId === groupActivityId(0))!;
+    expect(JSON.parse(Buffer.from(scheduled.userMetadata!.summary!.data!).toString())).toBe('group 0: 2 episodes');
     // Searchable by step (the list is eventually consistent).
     await waitFor('visible to a search', async () => {
       for await (const w of env.client.workflow.list({ query: `MoltRecipe = 'ctl' AND MoltStep = 2 AND WorkflowId = 'molt-ui'` })) return w.workflowId === 'molt-ui';

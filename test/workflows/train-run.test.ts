@@ -2,13 +2,13 @@
 // but instantly: groups finish when the test releases them (or after a short sleep), trainStep
 // records its calls and can be held.
 import { Context } from '@temporalio/activity';
-import { ApplicationFailure } from '@temporalio/common';
+import { ApplicationFailure, CancelledFailure } from '@temporalio/common';
 import type { WorkflowHandle } from '@temporalio/client';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { RecordMetricsInput } from '../../activities/metrics';
 import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { RecipeConfig } from '../../agents/recipe';
-import { groupDone, groupWorkflowId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
+import { groupActivityId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
 import { startTemporal, waitFor, withWorkers } from '../helpers/temporal';
 
 let env: TestWorkflowEnvironment;
@@ -25,11 +25,17 @@ function makeConfig(o: { inflight: number; groups: number; steps: number; every?
 }
 
 // Fake services: `version` is the engines' weight version (set by refit), recorded per group.
-function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number) => boolean; overBudget?: (g: number) => boolean; rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void> } = {}) {
+function fakeServices(opts: {
+  hold?: (g: number) => boolean; empty?: (g: number) => boolean; overBudget?: (g: number) => boolean; failFirstAttempt?: (g: number) => boolean;
+  rolloutMs?: number; onTrainStep?: (input: TrainStepInput, attempt: number) => Promise<void>;
+} = {}) {
   const s = {
     version: 0,
     running: new Set<number>(),
     released: new Set<number>(),
+    cancelled: new Set<number>(),
+    log: [] as { event: 'start' | 'done'; group: number; workflowRunId: string }[], // rollout attempts, in order
+    attempts: new Map<number, number>(), // group -> rolloutGroup attempts
     results: new Map<number, GroupResult>(),
     trainCalls: [] as { input: TrainStepInput; attempt: number; workflowRunId: string }[],
     refits: [] as number[],
@@ -41,6 +47,9 @@ function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number)
       const ctx = Context.current();
       const g = input.groupIndex;
       const minVersion = s.version;
+      const workflowRunId = ctx.info.workflowExecution?.runId ?? '';
+      s.attempts.set(g, ctx.info.attempt);
+      s.log.push({ event: 'start', group: g, workflowRunId });
       s.running.add(g);
       try {
         if (opts.hold?.(g) ?? false) {
@@ -48,9 +57,14 @@ function fakeServices(opts: { hold?: (g: number) => boolean; empty?: (g: number)
         } else {
           await ctx.sleep(opts.rolloutMs ?? 20);
         }
+      } catch (err) {
+        if (err instanceof CancelledFailure) s.cancelled.add(g);
+        throw err;
       } finally {
         s.running.delete(g);
       }
+      s.log.push({ event: 'done', group: g, workflowRunId });
+      if (ctx.info.attempt === 1 && opts.failFirstAttempt?.(g)) throw new Error(`group ${g}: rollout worker lost`);
       if (opts.overBudget?.(g)) throw ApplicationFailure.nonRetryable(`group ${g}: 2 of 2 episodes failed, over the failure budget`, 'FailureBudgetExceeded');
       const episodes = opts.empty?.(g) ? [] : [...Array(input.config.group_size).keys()]; // empty: every episode failed
       const result: GroupResult = {
@@ -96,20 +110,24 @@ function start(runId: string, config: RecipeConfig, extra: { continueAsNewAfterS
   });
 }
 
-// Releases held groups one at a time; a group's workflow completes only after its signal is in
-// the run's history, so the run receives them in exactly this order.
+// Groups whose rolloutGroup activity the current run of `runId` still waits on.
+async function pendingGroups(runId: string): Promise<string[]> {
+  const d = await env.client.workflow.getHandle(runWorkflowId(runId)).describe();
+  return (d.raw.pendingActivities ?? []).map((a) => a.activityId ?? '');
+}
+
+// Releases held groups one at a time; the next is released only once the run has recorded the
+// previous one's result, so the run receives them in exactly this order.
 async function release(s: ReturnType<typeof fakeServices>['s'], runId: string, groups: number[]) {
   for (const g of groups) {
     s.released.add(g);
-    await env.client.workflow.getHandle(groupWorkflowId(runId, g)).result();
+    await waitFor(`group ${g} recorded`, async () => !(await pendingGroups(runId)).includes(groupActivityId(g)));
   }
 }
 
 const lowestRunning = (s: ReturnType<typeof fakeServices>['s'], n: number) => [...s.running].sort((a, b) => a - b).slice(0, n);
-
-async function childStatus(runId: string, g: number) {
-  return (await env.client.workflow.getHandle(groupWorkflowId(runId, g)).describe()).status.name;
-}
+const startedBy = (s: ReturnType<typeof fakeServices>['s'], workflowRunId: string) =>
+  [...new Set(s.log.filter((e) => e.event === 'start' && e.workflowRunId === workflowRunId).map((e) => e.group))].sort((a, b) => a - b);
 
 test('the pool stays full while a step trains; each step trains batch.groups distinct groups in arrival order', async () => {
   const runId = 'pool';
@@ -137,37 +155,40 @@ test('the pool stays full while a step trains; each step trains batch.groups dis
     // Groups still in flight at the end are cancelled.
     const leftover = [...Array(10).keys()].filter((g) => !released.flat().includes(g));
     expect(leftover).toHaveLength(4);
-    for (const g of leftover) await waitFor(`g${g} cancelled`, async () => (await childStatus(runId, g)) === 'CANCELLED');
+    await waitFor('leftover groups cancelled', () => leftover.every((g) => s.cancelled.has(g)));
   });
 });
 
-test('continue-as-new keeps in-flight groups: groups started before it are delivered to the next run and trained', async () => {
+test('continue-as-new drains the pool: no group starts once the history is full; the run continues as new when none is in flight, carrying the results not trained', async () => {
   const runId = 'can';
   const { s, activities } = fakeServices({ hold: () => true });
   await withWorkers(env, activities, async () => {
     const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 3 }), { continueAsNewAfterSteps: 1 });
-    const released: number[][] = [];
-    for (let step = 1; step <= 3; step++) {
-      await waitFor('pool full', () => s.running.size === 3);
-      const batch = lowestRunning(s, 2);
-      await release(s, runId, batch);
-      released.push(batch);
-      await waitFor(`step ${step} trained`, () => s.refits.length === step);
-      if (step < 3) { // release the next batch only after this run has continued as new
-        const trainedBy = s.trainCalls[step - 1].workflowRunId;
-        await waitFor('continue-as-new', async () => (await env.client.workflow.getHandle(runWorkflowId(runId)).describe()).runId !== trainedBy);
-      }
-    }
+    const firstRun = handle.firstExecutionRunId;
+    await waitFor('pool full', () => s.running.size === 3);
+    await release(s, runId, [0, 1]);
+    await waitFor('step 1 trained', () => s.refits.length === 1);
+    // The step's batch freed two slots before the history was full: 3 and 4 started then. From
+    // step 1's end the run drains: 2, 3 and 4 finish, nothing new starts.
+    await waitFor('refilled', () => s.running.size === 3);
+    await release(s, runId, [2, 3]);
+    await waitFor('step 2 trained while draining', () => s.refits.length === 2);
+    expect(startedBy(s, firstRun)).toEqual([0, 1, 2, 3, 4]);
+    await release(s, runId, [4]); // the last group in flight: now the run continues as new
+    await waitFor('the next run fills the pool', () => s.running.size === 3);
+    const secondRun = (await handle.describe()).runId;
+    expect(secondRun).not.toBe(firstRun);
+    expect(startedBy(s, secondRun)).toEqual([5, 6, 7]);
+    await release(s, runId, [5]); // 4 (carried over) and 5 make step 3
     const summary = await handle.result();
     expect(summary).toMatchObject({ steps: 3, stopped: false });
-    expect(stepBatches(s)).toEqual(released); // no loss, no duplicate
-    expect(new Set(s.trainCalls.map((c) => c.workflowRunId)).size).toBe(3); // each step in its own run
-    // Groups trained in step 2 were started by the first run.
-    for (const g of released[1]) {
-      const child = await env.client.workflow.getHandle(groupWorkflowId(runId, g)).describe();
-      expect(child.parentExecution?.runId).toBe(s.trainCalls[0].workflowRunId);
-      expect(child.parentExecution?.runId).not.toBe(s.trainCalls[1].workflowRunId);
-    }
+    expect(stepBatches(s)).toEqual([[0, 1], [2, 3], [4, 5]]); // no loss, no duplicate
+    expect(s.trainCalls.map((c) => c.workflowRunId)).toEqual([firstRun, firstRun, secondRun]);
+    // The first run's groups all finished before the second run started any.
+    const lastDoneOfFirst = Math.max(...s.log.map((e, i) => (e.event === 'done' && e.workflowRunId === firstRun ? i : -1)));
+    const firstStartOfSecond = s.log.findIndex((e) => e.event === 'start' && e.workflowRunId === secondRun);
+    expect(lastDoneOfFirst).toBeLessThan(firstStartOfSecond);
+    await waitFor('leftover groups cancelled', () => [6, 7].every((g) => s.cancelled.has(g)));
   });
 });
 
@@ -209,16 +230,20 @@ test('a group with no finished episode is dropped, not trained', async () => {
   });
 });
 
-test('a failed trainStep is retried with the same (runId, step); a re-sent group result is not trained twice', async () => {
+test('a failed trainStep is retried with the same (runId, step); a failed group attempt is retried and trained once', async () => {
   const runId = 'retry';
   const { s, activities } = fakeServices({
-    rolloutMs: 20,
+    hold: () => true,
+    failFirstAttempt: (g) => g === 1, // its first attempt fails after the rollout; the retry runs it again
     onTrainStep: async (input, attempt) => { if (input.step === 2 && attempt === 1) throw new Error('actor went away'); },
   });
   await withWorkers(env, activities, async () => {
     const handle: WorkflowHandle<typeof trainRun> = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 3 }));
-    await waitFor('step 1', () => s.trainCalls.length >= 1);
-    for (const g of groupsOf(s.trainCalls[0].input.refs)) await handle.signal(groupDone, s.results.get(g)!);
+    for (let step = 1; step <= 3; step++) {
+      await waitFor('pool full', () => s.running.size === 3);
+      await release(s, runId, lowestRunning(s, 2)); // waits out group 1's retry
+      await waitFor(`step ${step}`, () => s.refits.length === step);
+    }
     const summary = await handle.result();
     expect(summary.steps).toBe(3);
     expect(s.trainCalls.map((c) => [c.input.runId, c.input.step, c.attempt])).toEqual([
@@ -228,6 +253,8 @@ test('a failed trainStep is retried with the same (runId, step); a re-sent group
     expect(s.refits).toEqual([1, 2, 3]);
     const trained = stepBatches(s).flat();
     expect(new Set(trained).size).toBe(trained.length);
+    expect(s.attempts.get(1)).toBe(2);
+    expect(stepBatches(s)[0]).toEqual([0, 1]);
   });
 });
 
@@ -252,8 +279,8 @@ test('cancel stops gracefully: the current step finishes, a checkpoint is taken,
     expect((await handle.describe()).status.name).toBe('COMPLETED');
     expect((await handle.query(progressQuery)).state).toBe('done');
     expect(stepBatches(s).flat().sort()).toEqual([0, 1, 2, 3]);
-    for (const g of [4, 5, 6]) await waitFor(`g${g} cancelled`, async () => (await childStatus(runId, g)) === 'CANCELLED');
-    await expect(childStatus(runId, 7)).rejects.toThrow(); // no group started after the stop
+    await waitFor('in-flight groups cancelled', () => [4, 5, 6].every((g) => s.cancelled.has(g)));
+    expect(s.log.some((e) => e.group === 7)).toBe(false); // no group started after the stop
   });
 });
 
