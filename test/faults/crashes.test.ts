@@ -24,7 +24,7 @@ import { freePort, startStack, type Stack } from '../../infra/stack';
 import { runWorkflowId, TASK_QUEUES, trainRun, type TrainRunSummary } from '../../workflows/train-run';
 
 const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
-const STEPS = 6;
+const STEPS = 10; // long enough that a kill after step 4 + 1 s still lands mid-run (a step takes ~0.4 s here)
 const OVERRIDES = {
   'train.steps': String(STEPS), 'checkpoint.every': '2', 'engines.count': '2',
   group_size: '4', 'batch.groups': '2', 'pool.inflight': '4',
@@ -152,14 +152,14 @@ function storedTokens(runId: string): number {
 }
 
 // One run with one crash: `victim` is killed (SIGKILL) once the run has trained a random step in
-// [1, STEPS - 3], after a random delay, and restarted at once.
+// [1, 4], after a random delay under 1 s, and restarted at once.
 async function runWithCrash(victim: string) {
   const runId = `fault-${victim}-${SEED}`;
   // Every run starts on a fresh actor (an actor refuses a second run's step 1 on top of another run).
   await stack.restart('actor', 'SIGTERM');
   const generatedBefore = proxies.reduce((a, p) => a + p.tokens, 0);
-  const killAfterStep = 1 + Math.floor(rand() * (STEPS - 3));
-  const delayMs = Math.floor(rand() * 1500);
+  const killAfterStep = 1 + Math.floor(rand() * 4);
+  const delayMs = Math.floor(rand() * 1000);
   const started = Date.now();
   const handle = await client.workflow.start(trainRun, {
     workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }],
@@ -167,6 +167,7 @@ async function runWithCrash(victim: string) {
   while ((await actorStep(runId)) < killAfterStep) await sleep(100);
   await sleep(delayMs);
   const stepAtKill = await actorStep(runId);
+  if (stepAtKill >= STEPS) throw new Error(`the run ended before the kill (step ${stepAtKill} of ${STEPS}): make the run longer`);
   const killedAt = Date.now();
   await stack.restart(victim, 'SIGKILL');
   const restartSeconds = (Date.now() - killedAt) / 1000;
