@@ -79,7 +79,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
   const workflowBundle = await bundleWorkflowCode({ workflowsPath: path.join(REPO_ROOT, 'workflows', 'index.ts') });
   // As infra/worker.ts sets them up: one optimizer step at a time on the actor queue.
   const workers = await Promise.all([
-    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle }),
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle, activities: { recordMetrics: activities.recordMetrics } }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup: activities.rolloutGroup } }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities, maxConcurrentActivityTaskExecutions: 1 }),
   ]);

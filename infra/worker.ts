@@ -1,4 +1,4 @@
-// Temporal workers: molt-control runs the workflows, molt-rollout the rollout activity, molt-actor
+// Temporal workers: molt-control runs the workflows (and their metrics lines), molt-rollout the rollout activity, molt-actor
 // the actor's activities. One process may serve any subset of the queues, so the stack can run
 // (and kill) a rollout worker on its own. As a program: `tsx infra/worker.ts`, configured by env.
 import * as path from 'node:path';
@@ -20,10 +20,10 @@ export async function runWorkers(opts: { temporalAddress: string; endpoints: Ser
   const common = { connection, namespace: opts.namespace ?? 'default' };
   const { rolloutGroup, evaluate, trainStep, refit, checkpoint, recordMetrics } = createActivities(opts.endpoints);
   const make: Record<QueueName, () => Promise<Worker>> = {
-    control: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts') }),
+    control: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts'), activities: { recordMetrics } }),
     rollout: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup, evaluate } }),
     // One optimizer step at a time: the actor is a single trainer.
-    actor: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint, recordMetrics }, maxConcurrentActivityTaskExecutions: 1 }),
+    actor: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint }, maxConcurrentActivityTaskExecutions: 1 }),
   };
   const workers = await Promise.all((opts.queues ?? ALL_QUEUES).map((q) => make[q]()));
   const done = Promise.all(workers.map((w) => w.run())).then(() => connection.close());

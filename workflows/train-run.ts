@@ -103,9 +103,11 @@ const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
   heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
-// One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step).
+// One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step). On the control
+// queue, beside the loop: on the actor's queue (one activity at a time) it could hold up the next
+// trainStep.
 const { recordMetrics } = proxyActivities<Activities>({
-  taskQueue: TASK_QUEUES.actor,
+  taskQueue: TASK_QUEUES.control,
   startToCloseTimeout: '1 minute',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });

@@ -31,7 +31,7 @@ function workflowBundle(): Promise<WorkflowBundle> {
 export async function withWorkers<T>(env: TestWorkflowEnvironment, activities: object, fn: () => Promise<T>): Promise<T> {
   const common = { connection: env.nativeConnection, namespace: env.namespace ?? 'default', shutdownGraceTime: '1 second' as const };
   const workers = await Promise.all([
-    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle: await workflowBundle() }),
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle: await workflowBundle(), activities }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities, maxHeartbeatThrottleInterval: '200 ms' }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities }),
   ]);
