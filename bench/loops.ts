@@ -14,6 +14,7 @@ import type { GroupResult } from '../activities/types';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { startStack, type Stack } from '../infra/stack';
+import { cpuSeconds } from './scale';
 
 export const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 
@@ -21,6 +22,29 @@ export interface LoopResult {
   seconds: number; // from start to the last step's checkpoint
   trainedTokens: number; // generated tokens of the groups trained on
   engineBusy: number | null; // mean fraction of wall time each engine was generating (plain loops only)
+  // Temporal loop only: CPU seconds burnt while it ran by the Temporal dev server and by the worker
+  // that runs the loop's workflow tasks (control + actor queues): the orchestration's own cost.
+  cpu?: { server: number; controlWorker: number };
+}
+
+// CPU seconds of a process and all its descendants (a worker runs as tsx -> node).
+function treeCpuSeconds(root: number): number {
+  const children = new Map<number, number[]>();
+  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
+    try {
+      const stat = fs.readFileSync(`/proc/${entry}/stat`, 'utf8');
+      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
+      children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)]);
+    } catch { /* exited meanwhile */ }
+  }
+  let total = 0;
+  const todo = [root];
+  while (todo.length) {
+    const pid = todo.pop()!;
+    try { total += cpuSeconds(pid); } catch { /* exited meanwhile */ }
+    todo.push(...(children.get(pid) ?? []));
+  }
+  return total;
 }
 
 export async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (stack: Stack) => Promise<T>): Promise<T> {
@@ -37,19 +61,23 @@ export async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (
 }
 
 // The whole run through Temporal; trained tokens from the run's metrics.jsonl.
-export async function temporalLoop(config: RecipeConfig): Promise<LoopResult> {
+// `continueAsNewAfterSteps`: continue as new (and so drain the pool) after that many steps of a run.
+export async function temporalLoop(config: RecipeConfig, continueAsNewAfterSteps?: number): Promise<LoopResult> {
   return withStack(config, true, async (stack) => {
     const client = new Client({ connection: await Connection.connect({ address: stack.temporalAddress }) });
     const runId = `bench-temporal-${Date.now()}`;
+    const pids = { server: stack.processes.get('temporal')!.pid!, controlWorker: stack.processes.get('worker')!.pid! };
+    const cpu0 = { server: treeCpuSeconds(pids.server), controlWorker: treeCpuSeconds(pids.controlWorker) };
     const started = performance.now();
     await client.workflow.execute(trainRun, {
-      workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }],
+      workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config, continueAsNewAfterSteps }],
     });
     const seconds = (performance.now() - started) / 1000;
+    const cpu = { server: treeCpuSeconds(pids.server) - cpu0.server, controlWorker: treeCpuSeconds(pids.controlWorker) - cpu0.controlWorker };
     await client.connection.close();
     const lines = fs.readFileSync(path.join(stack.storeRoot, runId, 'metrics.jsonl'), 'utf8').trim().split('\n');
     const trainedTokens = lines.reduce((n, l) => n + (JSON.parse(l) as Record<string, number>)['rollout/tokens'], 0);
-    return { seconds, trainedTokens, engineBusy: null };
+    return { seconds, trainedTokens, engineBusy: null, cpu };
   });
 }
 

@@ -13,13 +13,15 @@ import { spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { loadRecipe, REPO_ROOT, resolveModelDir } from '../agents/recipe';
-import { plainLoop, RECIPE_DIR, temporalLoop } from './loops';
+import { plainLoop, RECIPE_DIR, temporalLoop, type LoopResult } from './loops';
 import { partialRollouts, type PartialOptions, type PartialResult } from './partial';
 import { orchestrationScale, type ScaleRow } from './scale';
 
 const OUT_DIR = path.join(REPO_ROOT, 'bench-out');
 
 interface Workload { name: string; overrides: Record<string, string>; pools: number[] } // pools: pool.inflight values to run
+
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];
 
 function engineBench(smoke: boolean): { markdown: string; json: unknown } {
   if (smoke) return { markdown: '(engine benchmark skipped in --smoke)\n', json: null };
@@ -35,12 +37,13 @@ async function main() {
   const smoke = argv.includes('--smoke');
   const stepsArg = argv.indexOf('--steps');
   const steps = String(stepsArg >= 0 ? Number(argv[stepsArg + 1]) : smoke ? 2 : 8);
+  const reps = smoke ? 1 : 2; // plain and Temporal alternate, each `reps` times; medians are reported
   const workloads: Workload[] = smoke
     ? [{ name: 'smoke', overrides: { 'batch.groups': '2', group_size: '2' }, pools: [3] }]
     : [
       { name: 'embedded recipe (16 groups x 8, 3 tokens)', overrides: {}, pools: [24, 96] },
-      // Heavier: 8x the episodes and 16 tokens each, so a plain step takes seconds on 2 cores.
-      { name: 'heavier (32 groups x 16, 16 tokens)', overrides: { 'batch.groups': '32', group_size: '16', 'sampling.max_tokens': '16' }, pools: [48] },
+      // Heavier: 4x the episodes of 10x the tokens, so a plain step takes seconds on 2 cores.
+      { name: 'heavier (32 groups x 16, 32 tokens)', overrides: { 'batch.groups': '32', group_size: '16', 'sampling.max_tokens': '32' }, pools: [48] },
     ];
   const partialOptions: PartialOptions = smoke
     ? { requests: 4, maxTokens: 64, refits: 2, intervalMs: 50 }
@@ -49,7 +52,7 @@ async function main() {
   fs.mkdirSync(OUT_DIR, { recursive: true });
 
   // The report is rewritten after each part, so a long run shows what it has so far.
-  const report: Report = { orchestration: [], utilization: [], partial: [], scale: [], engine: null };
+  const report: Report = { orchestration: [], drain: null, utilization: [], partial: [], scale: [], engine: null };
   const save = () => {
     const markdown = render(report, partialOptions, smoke);
     fs.writeFileSync(path.join(OUT_DIR, 'report.md'), markdown);
@@ -59,20 +62,44 @@ async function main() {
   for (const w of workloads) {
     const config = (pool: number) => loadRecipe(RECIPE_DIR, { ...w.overrides, 'pool.inflight': String(pool), 'train.steps': steps, 'checkpoint.every': '1000' });
     for (const [i, pool] of w.pools.entries()) {
-      console.error(`[bench] ${w.name}, ${pool} groups in flight: plain loop`);
-      const plain = await plainLoop(config(pool), 'streaming');
-      console.error(`[bench] ${w.name}, ${pool} groups in flight: Temporal loop`);
-      const temporal = await temporalLoop(config(pool));
+      const plains: LoopResult[] = [];
+      const temporals: LoopResult[] = [];
+      for (let rep = 1; rep <= reps; rep++) {
+        console.error(`[bench] ${w.name}, ${pool} groups in flight, run ${rep}/${reps}: plain loop`);
+        plains.push(await plainLoop(config(pool), 'streaming'));
+        console.error(`[bench] ${w.name}, ${pool} groups in flight, run ${rep}/${reps}: Temporal loop`);
+        temporals.push(await temporalLoop(config(pool)));
+      }
       const n = Number(steps);
+      const plainSeconds = median(plains.map((r) => r.seconds));
+      const temporalSeconds = median(temporals.map((r) => r.seconds));
       report.orchestration.push({
-        workload: w.name, inflight: pool, steps: n, plainMsPerStep: (plain.seconds * 1000) / n, temporalMsPerStep: (temporal.seconds * 1000) / n,
-        addedMsPerStep: ((temporal.seconds - plain.seconds) * 1000) / n, ratio: temporal.seconds / plain.seconds,
+        workload: w.name, inflight: pool, steps: n, runs: reps, plainMsPerStep: (plainSeconds * 1000) / n, temporalMsPerStep: (temporalSeconds * 1000) / n,
+        addedMsPerStep: ((temporalSeconds - plainSeconds) * 1000) / n, ratio: temporalSeconds / plainSeconds,
+        ratios: temporals.map((t, k) => t.seconds / plains[k].seconds),
+        serverCpuPerStep: median(temporals.map((t) => t.cpu!.server)) / n, controlWorkerCpuPerStep: median(temporals.map((t) => t.cpu!.controlWorker)) / n,
       });
       save();
       if (i > 0) continue;
+      if (w === workloads[0]) {
+        // The price of continue-as-new: the run drains its pool first (an activity cannot outlive
+        // its run). Against the Temporal runs above, with continue-as-new after every n/2 steps.
+        const every = Math.max(1, Math.floor(n / 2));
+        const continueAsNew = Math.ceil(n / every) - 1;
+        console.error(`[bench] ${w.name}: Temporal loop, continue-as-new every ${every} steps`);
+        const drained = await temporalLoop(config(pool), every);
+        report.drain = {
+          workload: w.name, inflight: pool, steps: n, every, continueAsNew,
+          msPerStep: (drained.seconds * 1000) / n, withoutMsPerStep: (temporalSeconds * 1000) / n,
+          addedMsPerContinueAsNew: (drained.seconds - temporalSeconds) * 1000 / continueAsNew,
+        };
+        save();
+      }
       // The synchronous baseline: the same config, batch.groups in flight, refilled after each step.
       console.error(`[bench] ${w.name}: synchronous plain loop`);
       const sync = await plainLoop(config(pool), 'sync');
+      const plain = plains[0];
+      const temporal = temporals[0];
       report.utilization.push({
         workload: w.name, inflight: pool, streamingBusy: plain.engineBusy!, syncBusy: sync.engineBusy!, busyRatio: plain.engineBusy! / sync.engineBusy!,
         streamingTokensPerSecond: plain.trainedTokens / plain.seconds, syncTokensPerSecond: sync.trainedTokens / sync.seconds,
@@ -97,7 +124,11 @@ async function main() {
 }
 
 interface Report {
-  orchestration: { workload: string; inflight: number; steps: number; plainMsPerStep: number; temporalMsPerStep: number; addedMsPerStep: number; ratio: number }[];
+  orchestration: {
+    workload: string; inflight: number; steps: number; runs: number; plainMsPerStep: number; temporalMsPerStep: number; addedMsPerStep: number; ratio: number;
+    ratios: number[]; serverCpuPerStep: number; controlWorkerCpuPerStep: number;
+  }[];
+  drain: { workload: string; inflight: number; steps: number; every: number; continueAsNew: number; msPerStep: number; withoutMsPerStep: number; addedMsPerContinueAsNew: number } | null;
   utilization: {
     workload: string; inflight: number; streamingBusy: number; syncBusy: number; busyRatio: number;
     streamingTokensPerSecond: number; syncTokensPerSecond: number; temporalTokensPerSecond: number; throughputRatio: number;
@@ -114,8 +145,11 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
   return [
     '# Molt benchmarks', '',
     '## 1. Orchestration overhead: Temporal loop vs plain in-process loop (same activities, same pool, fresh stacks)', '',
-    '| workload | groups in flight | steps | plain ms/step | Temporal ms/step | added ms/step | ratio |', '|---|---:|---:|---:|---:|---:|---:|',
-    ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} |`),
+    'Plain and Temporal runs alternate; the figures are medians over the runs. CPU: seconds burnt per step, while the Temporal loop ran, by the Temporal dev server and by the worker running the loop\'s workflow tasks (they share the 2 cores with the engines and the actor).', '',
+    '| workload | groups in flight | steps | runs | plain ms/step | Temporal ms/step | added ms/step | ratio | ratio of each run | server CPU s/step | control worker CPU s/step |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|',
+    ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${r.runs} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} | ${r.ratios.map((x) => f(x, 2)).join(', ')} | ${f(r.serverCpuPerStep, 3)} | ${f(r.controlWorkerCpuPerStep, 3)} |`),
+    ...(report.drain ? ['', `Continue-as-new drains the pool first (${report.drain.workload}, ${report.drain.inflight} in flight): with continue-as-new every ${report.drain.every} steps (${report.drain.continueAsNew} in ${report.drain.steps} steps) ${f(report.drain.msPerStep)} ms/step against ${f(report.drain.withoutMsPerStep)} without, ${f(report.drain.addedMsPerContinueAsNew)} ms per continue-as-new. A real run continues as new when Temporal suggests it: every few thousand history events.`] : []),
     '', '## 2. Engine utilization: streaming pool vs synchronous (generate, then train, then generate), plain loops, same config', '',
     'Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side).', '',
     '| workload | groups in flight | busy streaming | busy sync | ratio | trained tok/s streaming | trained tok/s sync | ratio | trained tok/s Temporal |',

@@ -30,7 +30,7 @@ export interface ScaleRow {
 }
 
 // CPU seconds (user + system) of a process, from /proc/<pid>/stat (fields 14 and 15, clock ticks).
-function cpuSeconds(pid: number): number {
+export function cpuSeconds(pid: number): number {
   const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
   const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' '); // fields after "(comm)", from field 3 on
   return (Number(fields[11]) + Number(fields[12])) / 100; // USER_HZ = 100

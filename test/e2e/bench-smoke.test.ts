@@ -33,5 +33,10 @@ test('bench --smoke writes a report with every part measured', () => {
     expect(r.trajectoriesPerSecond).toBeGreaterThan(0);
     expect(r.eventsPerGroup).toBeGreaterThan(0);
   }
-  expect(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.md'), 'utf8')).toContain('| smoke | 3 | 2 |');
+  const [orchestration] = report.orchestration;
+  expect(orchestration.ratios).toHaveLength(1);
+  expect(orchestration.serverCpuPerStep).toBeGreaterThan(0);
+  expect(orchestration.controlWorkerCpuPerStep).toBeGreaterThan(0);
+  expect(report.drain).toMatchObject({ steps: 2, every: 1, continueAsNew: 1 }); // the run drained and continued as new once
+  expect(fs.readFileSync(path.join(REPO_ROOT, 'bench-out', 'report.md'), 'utf8')).toContain('| smoke | 3 | 2 | 1 |');
 });
