@@ -33,6 +33,9 @@ test('bench --smoke writes a report with every part measured', () => {
     expect(r.trajectoriesPerSecond).toBeGreaterThan(0);
     expect(r.eventsPerGroup).toBeGreaterThan(0);
   }
+  // the engine benchmark ran (a smoke run of bench/engine.py: 1 and 4 concurrent, then refit)
+  expect(report.engine.rows).toHaveLength(3);
+  for (const r of report.engine.rows) expect(r.ratio).toBeGreaterThan(0);
   const [orchestration] = report.orchestration;
   expect(orchestration.ratios).toHaveLength(1);
   expect(orchestration.serverCpuPerStep).toBeGreaterThan(0);
