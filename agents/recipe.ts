@@ -46,7 +46,9 @@ export const RecipeConfig = z.strictObject({
   model: z.string().min(1).describe('local HF model directory, or "tiny" for the generated tiny model'),
   seed: z.number().int().default(0),
   group_size: z.number().int().positive().describe('episodes per prompt group (G)'),
-  pool: z.strictObject({ inflight: z.number().int().positive() }),
+  // Each group in flight is a pending activity of the run: Temporal allows 2,000 per workflow
+  // (limit.numPendingActivities.error), and above ~1,000 its CPU per group grows (bench/ item 4).
+  pool: z.strictObject({ inflight: z.number().int().positive().max(2000, 'at most 2000: each group in flight is a pending activity of the run, and Temporal allows 2000 per workflow') }),
   batch: z.strictObject({ groups: z.number().int().positive() }),
   // What to do with groups whose tokens exceed algo.max_staleness: mask those tokens, or drop the group.
   staleness_mode: z.enum(['mask', 'drop']).default('mask'),
