@@ -47,10 +47,12 @@ function treeCpuSeconds(root: number): number {
   return total;
 }
 
-export async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (stack: Stack) => Promise<T>): Promise<T> {
+// `pinned`: the engines on CPU 0 and the actor on CPU 1, as each has its own GPU on a cluster
+// (on a one-CPU machine, nothing is pinned).
+export async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (stack: Stack) => Promise<T>, pinned = false): Promise<T> {
   const stack = await startStack({
     modelDir: resolveModelDir(config.model), stateDir: fs.mkdtempSync(path.join(os.tmpdir(), 'molt-bench-')),
-    engines: config.engines.count, workers, quiet: true,
+    engines: config.engines.count, workers, quiet: true, ...(pinned && os.cpus().length >= 2 ? { cpus: { engines: '0', actor: '1' } } : {}),
   });
   try {
     return await fn(stack);
@@ -135,7 +137,7 @@ export class EngineMeter {
 
 // The same loop without Temporal: the same activity functions, the same pool and batch rule.
 // 'sync': batch.groups in flight, refilled only once the step (train + refit) is done.
-export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'): Promise<LoopResult> {
+export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync', pinned = false): Promise<LoopResult> {
   return withStack(config, false, async (stack) => {
     const acts = createActivities({ engines: stack.engines, actor: stack.actor, token: stack.token, storeRoot: stack.storeRoot });
     const activity = new MockActivityEnvironment(); // an activity context outside a worker (heartbeats go nowhere)
@@ -183,5 +185,5 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
     } finally {
       uninstall();
     }
-  });
+  }, pinned);
 }

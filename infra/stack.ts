@@ -20,6 +20,9 @@ export interface StackOptions {
   workers?: boolean; // start the worker process (default true)
   engineArgs?: string[];
   actorArgs?: string[];
+  // Pin the engines and the actor to these CPUs (taskset lists, e.g. '0' and '1'), as each has its
+  // own GPU on a cluster; the benchmarks use it to compare loops on separate compute.
+  cpus?: { engines: string; actor: string };
   quiet?: boolean;
 }
 
@@ -141,7 +144,8 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
 
   // How each process was started and how to tell it is ready, so restart() can do the same again.
   const specs = new Map<string, { cmd: string; args: string[]; env: Record<string, string>; ready: (logFrom: number) => Promise<boolean> }>();
-  const launch = (name: string, cmd: string, args: string[], env: Record<string, string>, ready: (logFrom: number) => Promise<boolean>) => {
+  const launch = (name: string, cmd: string, args: string[], env: Record<string, string>, ready: (logFrom: number) => Promise<boolean>, cpus?: string) => {
+    if (cpus !== undefined) [cmd, args] = ['taskset', ['-c', cpus, cmd, ...args]];
     specs.set(name, { cmd, args, env, ready });
     const log = path.join(logDir, `${name}.log`);
     const logFrom = fs.existsSync(log) ? fs.statSync(log).size : 0; // readiness is read from here on
@@ -230,13 +234,13 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
       engines.push(url);
       ready.push(launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
         ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])],
-        {}, () => healthy(url, token)).ready());
+        {}, () => healthy(url, token), opts.cpus?.engines).ready());
     }
     const actor = `http://127.0.0.1:${actorPort}`;
     ready.push(launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
       `--nproc-per-node=${opts.actorWorldSize ?? 1}`, 'gpu-services/actor.py', '--model', opts.modelDir,
       '--port', String(actorPort), '--state-dir', path.join(stateDir, 'actor'), ...(opts.actorArgs ?? [])],
-      {}, () => healthy(actor, token)).ready());
+      {}, () => healthy(actor, token), opts.cpus?.actor).ready());
     await Promise.all(ready);
     say(`engines ${engines.join(' ')}; actor ${actor}`);
 
