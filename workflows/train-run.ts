@@ -105,10 +105,11 @@ const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
 });
 // One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step). On the control
 // queue, beside the loop: on the actor's queue (one activity at a time) it could hold up the next
-// trainStep.
+// trainStep. A line takes milliseconds: a short timeout, so that a write lost with its worker is
+// retried within seconds (the end of the run and continue-as-new wait for it).
 const { recordMetrics } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.control,
-  startToCloseTimeout: '1 minute',
+  startToCloseTimeout: '10 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
 
