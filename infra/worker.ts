@@ -1,6 +1,7 @@
-// Temporal workers: molt-control runs the workflows (and their metrics lines), molt-rollout the rollout activity, molt-actor
-// the actor's activities. One process may serve any subset of the queues, so the stack can run
-// (and kill) a rollout worker on its own. As a program: `tsx infra/worker.ts`, configured by env.
+// Temporal workers: molt-control runs the workflows (and their metrics lines), molt-rollout the
+// rollout activity, molt-actor the actor's activities. One process may serve any subset of the
+// queues, so the stack can run (and kill) a rollout worker on its own. As a program:
+// `tsx infra/worker.ts`, configured by env.
 import * as path from 'node:path';
 import { NativeConnection, Worker } from '@temporalio/worker';
 import { createActivities } from '../activities';

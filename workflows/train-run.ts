@@ -143,33 +143,29 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // The groups' activities run in their own scope, cancelled when the run ends (the rest of the
   // run is non-cancellable: see below).
   const groups = new CancellationScope({ cancellable: true });
-  function startGroup(groupIndex: number): void {
+  async function runGroup(groupIndex: number): Promise<void> {
     inflight.add(groupIndex);
-    void groups.run(() => runGroup(groupIndex)).then((result) => {
-      if (result === null) return; // cancelled at the end of the run
-      inflight.delete(groupIndex);
-      if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
-      run.ready.push(result);
-      run.tokens += result.tokens;
-    });
-  }
-  async function runGroup(groupIndex: number): Promise<GroupResult | null> {
+    let result: GroupResult;
     try {
-      return await rolloutGroup.executeWithOptions(
+      result = await groups.run(() => rolloutGroup.executeWithOptions(
         { activityId: groupActivityId(groupIndex), summary: `group ${groupIndex}: ${config.group_size} episodes` },
-        [{ runId, groupIndex, recipeDir, config }]);
+        [{ runId, groupIndex, recipeDir, config }]));
     } catch (err) {
-      if (isCancellation(err)) return null;
+      if (isCancellation(err)) return; // the run has ended
       // A group that cannot run still frees its slot: it is dropped as empty. One whose agent
       // failed more often than the recipe allows also stops the run.
       const cause = err instanceof ActivityFailure ? err.cause : err;
       log.error('rollout group failed for good', { groupIndex, error: String(cause) });
       const overBudget = cause instanceof ApplicationFailure && cause.type === 'FailureBudgetExceeded';
-      return {
+      result = {
         groupIndex, refs: [], rewards: [], failed: config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
         ...(overBudget ? { fatal: cause.message } : {}),
       };
     }
+    inflight.delete(groupIndex);
+    if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
+    run.ready.push(result);
+    run.tokens += result.tokens;
   }
   setHandler(progressQuery, (): Progress => {
     const elapsedSeconds = (Date.now() - run.startedAt) / 1000;
@@ -207,7 +203,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         await condition(() => !filling || (inflight.size < config.pool.inflight && run.ready.length < config.batch.groups));
         if (!filling) return;
         // Start every free slot at once: one workflow task for all of them, not one each.
-        while (inflight.size < config.pool.inflight) startGroup(run.nextGroupIndex++);
+        while (inflight.size < config.pool.inflight) void runGroup(run.nextGroupIndex++);
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
