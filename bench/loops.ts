@@ -14,7 +14,7 @@ import type { GroupResult } from '../activities/types';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { startStack, type Stack } from '../infra/stack';
-import { cpuSeconds } from './scale';
+import { treeCpuSeconds } from './scale';
 
 export const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 
@@ -25,26 +25,6 @@ export interface LoopResult {
   // Temporal loop only: CPU seconds burnt while it ran by the Temporal dev server and by the worker
   // that runs the loop's workflow tasks (control + actor queues): the orchestration's own cost.
   cpu?: { server: number; controlWorker: number };
-}
-
-// CPU seconds of a process and all its descendants (a worker runs as tsx -> node).
-function treeCpuSeconds(root: number): number {
-  const children = new Map<number, number[]>();
-  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
-    try {
-      const stat = fs.readFileSync(`/proc/${entry}/stat`, 'utf8');
-      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
-      children.set(ppid, [...(children.get(ppid) ?? []), Number(entry)]);
-    } catch { /* exited meanwhile */ }
-  }
-  let total = 0;
-  const todo = [root];
-  while (todo.length) {
-    const pid = todo.pop()!;
-    try { total += cpuSeconds(pid); } catch { /* exited meanwhile */ }
-    todo.push(...(children.get(pid) ?? []));
-  }
-  return total;
 }
 
 // `pinned`: the engines on CPU 0 and the actor on CPU 1, as each has its own GPU on a cluster

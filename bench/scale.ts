@@ -29,21 +29,45 @@ export interface ScaleRow {
   coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
 }
 
-// CPU seconds (user + system) of a process, from /proc/<pid>/stat (fields 14 and 15, clock ticks).
-export function cpuSeconds(pid: number): number {
+// Fields of /proc/<pid>/stat after "(comm)", from field 3 (state) on; comm itself beside them.
+function procStat(pid: number | string): { comm: string; fields: string[] } {
   const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
-  const fields = stat.slice(stat.lastIndexOf(')') + 2).split(' '); // fields after "(comm)", from field 3 on
-  return (Number(fields[11]) + Number(fields[12])) / 100; // USER_HZ = 100
+  return { comm: stat.slice(stat.indexOf('(') + 1, stat.lastIndexOf(')')), fields: stat.slice(stat.lastIndexOf(')') + 2).split(' ') };
+}
+
+// CPU seconds (user + system) of a process: fields 14 and 15, in clock ticks (USER_HZ = 100).
+function cpuSeconds(pid: number): number {
+  const { fields } = procStat(pid);
+  return (Number(fields[11]) + Number(fields[12])) / 100;
+}
+
+// Every live process as pid -> parent pid (field 4).
+function parents(): Map<number, number> {
+  const parent = new Map<number, number>();
+  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
+    try { parent.set(Number(entry), Number(procStat(entry).fields[1])); } catch { /* exited meanwhile */ }
+  }
+  return parent;
+}
+
+// CPU seconds of a process and all its descendants (a worker runs as tsx -> node).
+export function treeCpuSeconds(root: number): number {
+  const children = new Map<number, number[]>();
+  for (const [pid, ppid] of parents()) children.set(ppid, [...(children.get(ppid) ?? []), pid]);
+  let total = 0;
+  const todo = [root];
+  while (todo.length) {
+    const pid = todo.pop()!;
+    try { total += cpuSeconds(pid); } catch { /* exited meanwhile */ }
+    todo.push(...(children.get(pid) ?? []));
+  }
+  return total;
 }
 
 // The dev server the test environment started: our child whose command is the temporal binary.
 function serverPid(): number {
-  for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
-    try {
-      const stat = fs.readFileSync(`/proc/${entry}/stat`, 'utf8');
-      const ppid = Number(stat.slice(stat.lastIndexOf(')') + 2).split(' ')[1]);
-      if (ppid === process.pid && stat.includes('(temporal)')) return Number(entry);
-    } catch { /* exited meanwhile */ }
+  for (const [pid, ppid] of parents()) {
+    try { if (ppid === process.pid && procStat(pid).comm === 'temporal') return pid; } catch { /* exited meanwhile */ }
   }
   throw new Error('scale bench: the Temporal dev server process was not found');
 }
