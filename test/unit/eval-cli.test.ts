@@ -1,18 +1,13 @@
 // `molt-client eval` as a user runs it (a tsx child process): a clear error for a checkpoint that is
 // not there, and an evaluation of a model directory (the tiny model stands in for a checkpoint).
-import { execFile } from 'node:child_process';
 import * as path from 'node:path';
 import { REPO_ROOT } from '../../agents/recipe';
 import { tinyModel } from './gpu-services';
+import { runCli } from '../helpers/cli';
 
 const COPY_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 
-function cli(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
-  return new Promise((resolve) => {
-    execFile(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['client/cli.ts', ...args], { cwd: REPO_ROOT, env: { ...process.env, OMP_NUM_THREADS: '1' } },
-      (err, stdout, stderr) => resolve({ code: err ? Number(err.code ?? 1) : 0, stdout, stderr }));
-  });
-}
+const cli = (...args: string[]) => runCli(args, { OMP_NUM_THREADS: '1' });
 
 test('eval of a missing checkpoint exits 2 naming it', async () => {
   const { code, stderr } = await cli('eval', '/nonexistent/step-7', COPY_DIR);

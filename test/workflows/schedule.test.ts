@@ -1,12 +1,12 @@
 // `molt-client schedule ...` as a user runs it, against a real Temporal dev server with a worker
 // in this process whose activities finish instantly.
-import { execFile } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
-import { REPO_ROOT, startTemporal, withWorkers } from '../helpers/temporal';
+import { startTemporal, withWorkers } from '../helpers/temporal';
+import { runCli } from '../helpers/cli';
 
 let env: TestWorkflowEnvironment;
 let recipeDir: string;
@@ -23,13 +23,7 @@ afterAll(async () => {
   fs.rmSync(recipeDir, { recursive: true, force: true });
 });
 
-function cli(...args: string[]): Promise<{ code: number; stdout: string; stderr: string }> {
-  return new Promise((resolve) => {
-    execFile(path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['client/cli.ts', ...args], {
-      cwd: REPO_ROOT, env: { ...process.env, MOLT_TEMPORAL_ADDRESS: env.address },
-    }, (err, stdout, stderr) => resolve({ code: err ? Number(err.code) : 0, stdout, stderr }));
-  });
-}
+const cli = (...args: string[]) => runCli(args, { MOLT_TEMPORAL_ADDRESS: env.address });
 
 const activities = {
   async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
