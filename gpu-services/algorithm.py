@@ -22,6 +22,7 @@ from torch import Tensor
 from contract import AlgoConfig
 
 LOG_RATIO_CLAMP = 30.0  # exp(±30) is finite in fp32; keeps one wild token from producing inf/nan
+KL_CLAMP = 10.0  # per-token k2/k3 bound, as in the original and verl
 GRPO_EPS = 1e-9  # (r - mean) / (std + eps), as in the original Molt
 WHITEN_EPS = 1e-8  # (A - mean) / sqrt(var + eps)
 
@@ -182,14 +183,17 @@ def rollout_correction(algo: AlgoConfig, old_logp: Tensor, rollout_logp: Tensor,
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL divergence"):
-    d = ref_logp - logp;  k1 = -d;  k2 = 0.5 d^2;  k3 = exp(d) - d - 1 (unbiased and >= 0)."""
-    d = ref_logp - logp
+    d = clamp(nan_to_num(ref_logp - logp), ±30)   NaN -> 0, ±inf and anything beyond -> ±30
+    k1 = -d;  k2 = clamp(0.5 d^2, ±10);  k3 = clamp(exp(d) - d - 1, ±10)   (k3: unbiased and >= 0 before the clamp)
+    The bounds are those of the original and of verl: one token far from the reference (d = 4.7 gives k3 = 104)
+    would otherwise dominate the loss and its gradient; beyond a bound the token's KL gradient is 0."""
+    d = torch.nan_to_num(ref_logp - logp, nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k1":
         return -d
     if estimator == "k2":
-        return 0.5 * d ** 2
+        return (0.5 * d ** 2).clamp(-KL_CLAMP, KL_CLAMP)
     if estimator == "k3":
-        return d.exp() - d - 1
+        return (d.exp() - d - 1).clamp(-KL_CLAMP, KL_CLAMP)
     raise ValueError(f"unknown kl estimator {estimator!r} (k1, k2, k3)")
 
 

@@ -266,11 +266,34 @@ def test_kl_estimators():
     close(kl_estimate(logp, ref, "k3"), [0.193147], tol=1e-5)
     g = torch.Generator().manual_seed(4)
     logp, ref = -torch.rand(20, generator=g) * 3, -torch.rand(20, generator=g) * 3
-    for name, f in [("k1", lambda lp, rf: lp - rf), ("k2", lambda lp, rf: 0.5 * (lp - rf) ** 2),
-                    ("k3", lambda lp, rf: math.exp(rf - lp) - (rf - lp) - 1)]:
+    for name, f in [("k1", lambda lp, rf: lp - rf), ("k2", lambda lp, rf: min(0.5 * (lp - rf) ** 2, 10.0)),
+                    ("k3", lambda lp, rf: min(math.exp(rf - lp) - (rf - lp) - 1, 10.0))]:
         close(kl_estimate(logp, ref, name), [f(lp, rf) for lp, rf in zip(logp.tolist(), ref.tolist())])
     with pytest.raises(ValueError, match="k4"):
         kl_estimate(logp, ref, "k4")
+
+
+def test_kl_estimators_are_bounded():
+    # d = ref - logp = 4.7: unbounded k3 = exp(4.7) - 4.7 - 1 = 104.247 (d k3 / d logp = 1 - exp(4.7) = -108.9),
+    # k2 = 0.5 * 4.7^2 = 11.045: both clamp to 10, and a clamped token has no KL gradient.
+    # d = -4.7: k3 = exp(-4.7) + 4.7 - 1 = 3.709 stays (inside the bound, gradient 1 - exp(-4.7) = 0.990905).
+    # NaN -> d 0 -> every estimator 0; ref -inf -> d -30: k1 30, k2 450 -> 10, k3 29 -> 10; ref +inf -> d 30: k1 -30.
+    logp = torch.zeros(5, requires_grad=True)
+    ref = torch.tensor([4.7, -4.7, float("nan"), -math.inf, math.inf])
+    k3 = kl_estimate(logp, ref, "k3")
+    close(k3, [10.0, 3.709095, 0.0, 10.0, 10.0], tol=1e-5)
+    k3.sum().backward()
+    assert torch.isfinite(logp.grad).all()
+    close(logp.grad, [0.0, 1 - math.exp(-4.7), 0.0, 0.0, 0.0], tol=1e-5)
+    close(kl_estimate(logp, ref, "k2"), [10.0, 10.0, 0.0, 10.0, 10.0])
+    close(kl_estimate(logp, ref, "k1"), [-4.7, 4.7, 0.0, 30.0, -30.0])
+    # through the loss: one wild token costs at most kl_coef * 10 / total_tokens
+    algo = AlgoConfig(kl_coef=0.5, kl_estimator="k3")
+    wild = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    loss, metrics = policy_objective(algo, wild, wild.detach(), wild.detach(), torch.zeros(1, 2), torch.ones(1, 2), 2,
+                                     ref_logp=torch.tensor([[3.7, -1.0]]))
+    close(loss, 0.5 * 10 / 2)
+    close(metrics["kl"], 10.0)
 
 
 def test_entropy():
