@@ -14,7 +14,8 @@ const sampling = z.strictObject({
 
 // Mirrors AlgoConfig in gpu-services/contract.py (the actor validates it again).
 const algo = z.strictObject({
-  advantage: z.enum(['grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill']).default('grpo'),
+  advantage: z.enum(['grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill', 'flash_reinforce'])
+    .default('grpo'),
   policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo'),
   lr: z.number().positive().default(1e-6),
   betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]),
@@ -34,7 +35,11 @@ const algo = z.strictObject({
   kl_coef: z.number().min(0).default(0),
   entropy_coef: z.number().default(0),
   gamma: z.number().min(0).max(1).default(1),
-  reward_clip: z.number().positive().default(10),
+  // c: rewards clamped to [-c, c]; [low, high]: to that range
+  reward_clip: z.union([
+    z.number().positive(),
+    z.tuple([z.number(), z.number()]).refine(([low, high]) => low < high, 'reward_clip [low, high] needs low < high'),
+  ]).default(10),
   // MoE: the engine records each sampled token's experts and the actor trains through them
   routing_replay: z.boolean().default(false),
   micro_batch_tokens: z.number().int().positive().default(8192),

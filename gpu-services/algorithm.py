@@ -63,13 +63,17 @@ def compute_advantages(algo: AlgoConfig, rewards: Tensor, group_ids: Tensor, los
                        student_logp: Tensor | None = None) -> Tensor:
     """Per-token advantages [B,T] (detached, 0 outside loss_mask).
 
-    rewards [B] episode rewards, first clipped to r = clamp(rewards, -algo.reward_clip, +algo.reward_clip);
+    rewards [B] episode rewards, first clipped to r = clamp(rewards, low, high): algo.reward_clip is either c, giving
+    [low, high] = [-c, c], or [low, high] itself.
     group_ids [B] the prompt group of each sample (samples of the same prompt share it); n = group size.
     algo.advantage:
       grpo                a = (r - mean_g) / (std_g + 1e-9)            std_g unbiased (n-1); broadcast to all tokens
       dr_grpo             a = r - mean_g                               (Dr. GRPO: no std division)
       rloo                a = r - (sum_g - r) / (n - 1)                leave-one-out baseline; 0 for a group of one
       reinforce_baseline  A = whiten(r - mean_g)                       whitened over the batch's masked tokens
+      flash_reinforce     a = r - mean_B                               the mean of all B samples of the step: the
+                          baseline for one rollout per prompt, where a group baseline is the sample itself (groups
+                          are ignored; with larger groups it is still the batch mean)
       reinforce++         per-token reward  c_t = -kl_coef * logp_minus_ref_t  (+ r on the last action token),
                           return  G_t = c_t + gamma * G_next  where "next" is the next ACTION token (observation
                           tokens in between neither earn reward nor discount), then A = whiten(G)
@@ -79,7 +83,8 @@ def compute_advantages(algo: AlgoConfig, rewards: Tensor, group_ids: Tensor, los
     The group-level estimators give every action token of a sample the same advantage.
     """
     mask = loss_mask.to(rewards.dtype)  # [B,T]
-    r = rewards.detach().clamp(-algo.reward_clip, algo.reward_clip)  # [B]
+    low, high = algo.reward_clip if isinstance(algo.reward_clip, tuple) else (-algo.reward_clip, algo.reward_clip)
+    r = rewards.detach().clamp(low, high)  # [B]
 
     if algo.advantage == "on_policy_distill":
         if teacher_logp is None or student_logp is None:
@@ -88,6 +93,8 @@ def compute_advantages(algo: AlgoConfig, rewards: Tensor, group_ids: Tensor, los
 
     if algo.advantage == "reinforce++":
         return reinforce_plus_plus_returns(algo, r, mask, logp_minus_ref)
+    if algo.advantage == "flash_reinforce":
+        return (r - r.mean())[:, None] * mask
 
     total, mean, std, count = group_stats(r, group_ids)  # each [B]
     if algo.advantage == "grpo":

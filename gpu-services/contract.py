@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class Strict(BaseModel):
@@ -115,7 +115,8 @@ class RolloutCorrection(Strict):
 
 
 class AlgoConfig(Strict):
-    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce++", "on_policy_distill"] = "grpo"
+    advantage: Literal["grpo", "dr_grpo", "rloo", "reinforce_baseline", "reinforce++", "on_policy_distill",
+                       "flash_reinforce"] = "grpo"
     policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
     lr: float = Field(1e-6, gt=0)
     betas: tuple[float, float] = (0.9, 0.95)
@@ -130,11 +131,20 @@ class AlgoConfig(Strict):
     kl_coef: float = 0.0  # needs a reference model (the actor's initial weights)
     entropy_coef: float = 0.0
     gamma: float = 1.0  # reinforce++ discount
-    reward_clip: float = 10.0
+    reward_clip: Union[float, tuple[float, float]] = 10.0  # c: rewards clamped to [-c, c]; [low, high]: to that range
     # MoE: route each sampled token's forward through the experts the engine recorded for it; sampled tokens
     # without a record are masked from the loss (metric routing/unrecorded_masked)
     routing_replay: bool = False
     micro_batch_tokens: int = 8192  # forward/backward in chunks of at most this many tokens
+
+    @model_validator(mode="after")
+    def _check(self):
+        clip = self.reward_clip
+        if isinstance(clip, tuple) and not clip[0] < clip[1]:
+            raise ValueError(f"reward_clip [low, high] needs low < high, got {list(clip)}")
+        if not isinstance(clip, tuple) and not clip > 0:
+            raise ValueError(f"reward_clip c clamps rewards to [-c, c] and must be > 0, got {clip}")
+        return self
 
 
 class TrainStepRequest(Strict):

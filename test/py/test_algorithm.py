@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from algorithm import (compute_advantages, entropy_from_logits, kl_estimate, policy_objective, rollout_correction,
                        staleness_mask)
@@ -176,6 +177,27 @@ def test_reinforce_plus_plus_matches_reference():
     algo = AlgoConfig(advantage="reinforce++", gamma=0.9, kl_coef=0.05)
     adv = compute_advantages(algo, rewards, torch.zeros(6, dtype=torch.long), mask, logp_minus_ref=logp_minus_ref)
     close(adv, ref_reinforce_pp(rewards.tolist(), mask.tolist(), logp_minus_ref.tolist(), 0.05, 0.9))
+
+
+def test_flash_reinforce_and_reward_clip_range_by_hand():
+    # one rollout per prompt (every sample its own group): group baselines give 0, flash_reinforce the batch mean
+    rewards, groups = torch.tensor([1.0, 3.0, -4.0, 12.0]), torch.tensor([0, 1, 2, 3])
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]], dtype=torch.bool)
+    # symmetric clip 10: [1, 3, -4, 10], mean 2.5 -> [-1.5, 0.5, -6.5, 7.5]
+    adv = compute_advantages(AlgoConfig(advantage="flash_reinforce"), rewards, groups, mask)
+    close(adv, [[-1.5, -1.5], [0.5, 0.0], [-6.5, -6.5], [7.5, 7.5]])
+    # range [-2, 5]: [1, 3, -2, 5], mean 1.75 -> [-0.75, 1.25, -3.75, 3.25]
+    adv = compute_advantages(AlgoConfig(advantage="flash_reinforce", reward_clip=[-2, 5]), rewards, groups, mask)
+    close(adv, [[-0.75, -0.75], [1.25, 0.0], [-3.75, -3.75], [3.25, 3.25]])
+    close(compute_advantages(AlgoConfig(advantage="grpo"), rewards, groups, mask), torch.zeros(4, 2))
+    # the range applies to every estimator: dr_grpo over one group of [1, 3, -2, 5] -> minus 1.75
+    adv = compute_advantages(AlgoConfig(advantage="dr_grpo", reward_clip=[-2, 5]), rewards, torch.zeros(4), mask)
+    close(adv[:, 0], [-0.75, 1.25, -3.75, 3.25])
+    close(AlgoConfig(reward_clip=3).reward_clip, 3.0)  # the symmetric form still reads as before
+    with pytest.raises(ValidationError, match=r"reward_clip \[low, high\] needs low < high, got \[5.0, 1.0\]"):
+        AlgoConfig(reward_clip=[5, 1])
+    with pytest.raises(ValidationError, match="reward_clip c clamps rewards to \\[-c, c\\] and must be > 0"):
+        AlgoConfig(reward_clip=0)
 
 
 def test_on_policy_distill():

@@ -1,0 +1,26 @@
+// The recipe's `algo` section (zod, agents/recipe.ts) mirrors AlgoConfig in gpu-services/contract.py: the same
+// fields with the same defaults, and the same refusals with errors naming the field, before anything starts.
+import { readFileSync } from 'node:fs';
+import * as path from 'node:path';
+import { loadRecipe, RecipeConfig, REPO_ROOT } from '../../agents/recipe';
+
+const COPY = path.join(REPO_ROOT, 'recipes', 'copy');
+const algo = (overrides: Record<string, string>) => loadRecipe(COPY, overrides).algo;
+
+test('every AlgoConfig field of contract.schema.json is in the recipe schema, with the same default', () => {
+  const schema = JSON.parse(readFileSync(path.join(REPO_ROOT, 'gpu-services', 'contract.schema.json'), 'utf8')).AlgoConfig;
+  const defaults = RecipeConfig.shape.algo.parse({}) as Record<string, unknown>;
+  expect(Object.keys(defaults).sort()).toEqual(Object.keys(schema.properties).sort());
+  for (const [key, prop] of Object.entries<{ default?: unknown }>(schema.properties)) {
+    expect([key, defaults[key]]).toEqual([key, prop.default ?? null]);
+  }
+});
+
+test('reward_clip: a symmetric bound or a [low, high] range', () => {
+  expect(algo({}).reward_clip).toBe(10);
+  expect(algo({ 'algo.reward_clip': '3' }).reward_clip).toBe(3);
+  expect(algo({ 'algo.reward_clip': '[-2,5]' }).reward_clip).toEqual([-2, 5]);
+  expect(algo({ 'algo.advantage': 'flash_reinforce' }).advantage).toBe('flash_reinforce');
+  expect(() => algo({ 'algo.reward_clip': '[5,1]' })).toThrow('recipe config: algo.reward_clip: reward_clip [low, high] needs low < high');
+  expect(() => algo({ 'algo.reward_clip': '0' })).toThrow(/recipe config: algo\.reward_clip: .*>0/);
+});
