@@ -69,6 +69,10 @@ export class ChatSession {
 
   constructor(private readonly opts: SessionOptions) {}
 
+  get template() {
+    return this.opts.template;
+  }
+
   get tokenizer() {
     return this.opts.template.tokenizer;
   }
@@ -187,7 +191,7 @@ function push(seg: Segment, id: number, logprob: number, version: number, mask: 
 
 // Messages compare by what the template can see: role, text, tool-call names and arguments, tool ids.
 function sameMessage(a: ChatMessage, b: ChatMessage): boolean {
-  const key = (m: ChatMessage) => JSON.stringify([m.role, m.content ?? '', m.tool_call_id ?? null,
+  const key = (m: ChatMessage) => JSON.stringify([m.role, m.content ?? '', m.tool_call_id ?? null, m.is_error ?? false,
     (m.tool_calls ?? []).map((c) => [c.function.name, c.function.arguments])]);
   return key(a) === key(b);
 }

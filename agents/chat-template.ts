@@ -11,15 +11,20 @@ export interface ChatMessage {
   content: string;
   tool_calls?: ToolCall[];
   tool_call_id?: string;
+  is_error?: boolean; // a tool result that reports a failure (Anthropic tool_result is_error)
 }
 export interface ToolSpec { type: 'function'; function: { name: string; description?: string; parameters?: unknown } }
 
 export class ChatTemplate {
   private readonly template: Template;
   private readonly specialTokens: Record<string, string>;
+  // Whether the template shows a tool result's is_error; when it does not, the flag cannot reach the
+  // model and the loopback server refuses it rather than drop it.
+  readonly rendersToolErrors: boolean;
 
   constructor(source: string, readonly tokenizer: TextTokenizer) {
     this.template = new Template(source);
+    this.rendersToolErrors = /\bis_error\b/.test(source);
     // transformers passes the special tokens (bos_token, eos_token, ...) to the template as strings.
     const tokenText = (v: unknown) => (typeof v === 'string' ? v : (v as { content?: string } | null)?.content);
     this.specialTokens = {};

@@ -153,7 +153,8 @@ function checkTools(tools: unknown): ToolSpec[] | undefined {
 }
 
 // tool_choice: "auto" lets the model decide; "none" keeps the reply as text. Forcing a call cannot be
-// honoured without constrained decoding, so it is refused.
+// honoured without constrained decoding, so it is refused. Calls are parsed only when the request
+// declared tools: a model shown no tool that writes <tool_call> wrote text, and gets it back as text.
 function parseToolsFor(choice: unknown, none: unknown, auto: unknown): boolean {
   if (choice === undefined || choice === null || JSON.stringify(choice) === JSON.stringify(auto)) return true;
   if (JSON.stringify(choice) === JSON.stringify(none)) return false;
@@ -191,11 +192,12 @@ function openaiTurn(body: Record<string, unknown>, session: ChatSession) {
     }
   });
   const streamOptions = body.stream_options as { include_usage?: boolean } | undefined;
+  const tools = checkTools(body.tools);
   const turn: TurnRequest = {
     messages,
-    tools: checkTools(body.tools),
+    tools,
     sampling: { ...samplingFrom(body, body.max_completion_tokens ?? body.max_tokens, 'max_tokens'), stop_token_ids: stopIds(body.stop, 'stop', session) },
-    parseTools: parseToolsFor(body.tool_choice, 'none', 'auto'),
+    parseTools: parseToolsFor(body.tool_choice, 'none', 'auto') && !!tools?.length,
     retryKey: 'openai ' + JSON.stringify(body),
   };
   return { turn, stream: body.stream === true, includeUsage: streamOptions?.include_usage === true };
@@ -230,7 +232,17 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
         if (b?.type === 'text') text = (text ?? '') + b.text;
         else if (b?.type === 'tool_result') {
           flush();
-          messages.push({ role: 'tool', content: textOf(b.content, `${where} tool_result`), tool_call_id: String(b.tool_use_id) });
+          const content = textOf(b.content, `${where} tool_result`);
+          const result: ChatMessage = { role: 'tool', content, tool_call_id: String(b.tool_use_id) };
+          if (b.is_error !== undefined && typeof b.is_error !== 'boolean') bad(`${where} tool_result: is_error must be a boolean`);
+          if (b.is_error === true) {
+            if (!session.template.rendersToolErrors) {
+              bad(`${where} tool_result: is_error is not supported: the model's chat template does not render it ` +
+                '(say so in the content instead)');
+            }
+            result.is_error = true;
+          }
+          messages.push(result);
         } else bad(`${where}: user block type ${JSON.stringify(b?.type)} is not supported`);
       }
       flush();
@@ -252,7 +264,7 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
     messages,
     tools,
     sampling: { ...samplingFrom(body, body.max_tokens, 'max_tokens'), stop_token_ids: stopIds(body.stop_sequences, 'stop_sequences', session) },
-    parseTools: parseToolsFor(body.tool_choice, { type: 'none' }, { type: 'auto' }),
+    parseTools: parseToolsFor(body.tool_choice, { type: 'none' }, { type: 'auto' }) && !!tools?.length,
     retryKey: 'anthropic ' + JSON.stringify(body),
   };
   return { turn, stream: body.stream === true, stopSequences };

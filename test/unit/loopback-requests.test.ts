@@ -218,3 +218,44 @@ test('a turn ending on another stop token keeps its ids; the template close is a
   expect(session.segments()).toHaveLength(1);
   expect(template.tokenizer.encode(template.tokenizer.decode(reply1.slice(0, -1)))).not.toEqual(reply1.slice(0, -1));
 });
+
+test('tool-call text is parsed only when the request declared tools', async () => {
+  const reply = [...bytes(CALLS), IM_END];
+  const { session, openaiBaseURL, anthropicBaseURL } = open(scripted([reply, reply]));
+  const openai = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const anthropic = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const r = await openai.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'x' }] });
+  expect(r.choices[0]).toMatchObject({ finish_reason: 'stop', message: { content: CALLS } });
+  expect(r.choices[0].message.tool_calls).toBeUndefined();
+  const m = await anthropic.messages.create({ model: 'policy', max_tokens: 64, messages: [{ role: 'user', content: 'y' }] });
+  expect(m.stop_reason).toBe('end_turn');
+  expect(m.content).toEqual([{ type: 'text', text: CALLS }]);
+});
+
+// A tool_result's is_error reaches the model when the chat template shows it; with one that cannot
+// (the tiny model's), it is refused with a 400 instead of silently dropped.
+test('Anthropic tool_result is_error: rendered by a template that shows it, refused by one that cannot', async () => {
+  const reply = [...bytes('<tool_call>{"name":"add","arguments":{}}</tool_call>'), IM_END];
+  const tools: Anthropic.Tool[] = [{ name: 'add', input_schema: { type: 'object' } }];
+  const failed = (id: string): Anthropic.MessageParam => ({ role: 'user', content: [{ type: 'tool_result', tool_use_id: id, content: 'division by zero', is_error: true }] });
+
+  const plain = open(scripted([reply, reply]));
+  const client = new Anthropic({ baseURL: plain.anthropicBaseURL, apiKey: plain.session.apiKey, maxRetries: 0 });
+  const messages: Anthropic.MessageParam[] = [{ role: 'user', content: 'Add.' }];
+  const m1 = await client.messages.create({ model: 'policy', max_tokens: 64, messages, tools });
+  const toolUse = m1.content.find((b) => b.type === 'tool_use')!;
+  const err = await client.messages.create({ model: 'policy', max_tokens: 64, messages: [...messages, { role: 'assistant', content: m1.content as Anthropic.ContentBlockParam[] }, failed(toolUse.id)], tools }).catch((e) => e);
+  expect(err).toBeInstanceOf(Anthropic.BadRequestError);
+  expect(err.message).toMatch(/messages\[2\] tool_result: is_error is not supported: the model's chat template does not render it/);
+
+  const source = String(template.tokenizer.config.chat_template).replace('<tool_response>\n', '<tool_response>\n{% if message.is_error %}ERROR: {% endif %}');
+  const prompts: number[][] = [];
+  const showing = new ChatTemplate(source, template.tokenizer);
+  const session = server.openSession({ template: showing, generate: scripted([reply, reply], prompts), maxContext: 1024, defaults: { ...SAMPLING, stop_token_ids: template.endOfTurnIds() } });
+  const shows = new Anthropic({ baseURL: server.urls(session).anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const s1 = await shows.messages.create({ model: 'policy', max_tokens: 64, messages, tools });
+  const id = (s1.content.find((b) => b.type === 'tool_use') as Anthropic.ToolUseBlock).id;
+  await shows.messages.create({ model: 'policy', max_tokens: 64, messages: [...messages, { role: 'assistant', content: s1.content as Anthropic.ContentBlockParam[] }, failed(id)], tools });
+  const obs = template.tokenizer.encode('\n<|im_start|>user\n<tool_response>\nERROR: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n');
+  expect(prompts[1]).toEqual([...prompts[0], ...reply, ...obs]); // appended in the same segment
+});
