@@ -24,12 +24,25 @@ const algo = z.strictObject({
   clip_low: z.number().min(0).default(0.2),
   clip_high: z.number().min(0).default(0.2),
   dual_clip: z.number().gt(1).nullable().default(null),
+  // Formulas in gpu-services/algorithm.py (rollout_correction); the same refusals as contract.py's RolloutCorrection.
   rollout_correction: z.strictObject({
     level: z.enum(['off', 'token', 'seq', 'geo']).default('off'),
     mode: z.enum(['mask', 'clip', 'trunc']).default('mask'),
-    low: z.number().default(0.5),
+    gate: z.enum(['ratio', 'binary_kl', 'tv']).default('ratio'),
+    low: z.number().default(0.5), // ratio gate: kept if low <= ratio <= high; binary_kl and tv: kept if <= high
     high: z.number().default(5),
-  }).default({ level: 'off', mode: 'mask', low: 0.5, high: 5 }),
+  }).superRefine((rc, ctx) => {
+    const refuse = (path: string, message: string) => ctx.addIssue({ code: 'custom', path: [path], message });
+    if ((rc.level === 'seq' || rc.level === 'geo') && rc.mode !== 'mask') {
+      refuse('mode', `rollout_correction level '${rc.level}' keeps or drops whole sequences and weights each kept `
+        + `token by its own ratio: it needs mode 'mask', not '${rc.mode}'`);
+    } else if (rc.level !== 'off' && rc.gate !== 'ratio' && rc.mode !== 'mask') {
+      refuse('mode', `rollout_correction gate '${rc.gate}' keeps or drops tokens: it needs mode 'mask', not '${rc.mode}'`);
+    }
+    if (rc.gate === 'ratio' && !(rc.low <= rc.high)) {
+      refuse('low', `rollout_correction needs low <= high, got low ${rc.low} and high ${rc.high}`);
+    }
+  }).default({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 }),
   max_staleness: z.number().int().min(0).nullable().default(null),
   kl_estimator: z.enum(['k1', 'k2', 'k3']).default('k3'),
   kl_coef: z.number().min(0).default(0),

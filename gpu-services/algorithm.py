@@ -145,45 +145,71 @@ def staleness_mask(versions: Tensor, current_version: int, max_staleness: int | 
 
 
 def rollout_correction(algo: AlgoConfig, old_logp: Tensor, rollout_logp: Tensor, loss_mask: Tensor) -> tuple[Tensor, Tensor]:
-    """Importance weights for the engine/actor mismatch. old_logp, rollout_logp [B,T] (log pi_old, log pi_rollout).
+    """Importance weights for the engine/actor mismatch: per token, behind a gate. old_logp, rollout_logp [B,T]
+    (log pi_old, log pi_rollout of the sampled tokens; detached).
 
-    log rho_t = old_logp_t - rollout_logp_t (detached), then by algo.rollout_correction.level:
-      token  rho_t = exp(log rho_t)
-      seq    rho   = exp(sum_t mask_t log rho_t)                 one weight per sequence, on all its tokens
-      geo    rho   = exp(sum_t mask_t log rho_t / sum_t mask_t)  geometric mean of the token ratios
+    Every kept token is weighted by its OWN ratio  rho_t = exp(old_logp_t - rollout_logp_t)  (exponent clamped ±30).
+    The gate keeps or drops tokens by a per-token statistic s_t, chosen by algo.rollout_correction.gate, where
+    p_t = exp(rollout_logp_t) and q_t = exp(old_logp_t) are the two policies' probabilities of the sampled token:
+      ratio      s_t = log rho_t
+      binary_kl  s_t = p_t log(p_t / q_t) + (1 - p_t) log((1 - p_t) / (1 - q_t))     KL(rollout || old) over the two
+                                                                                     outcomes {this token, any other}
+      tv         s_t = |p_t - q_t|                                                   TV over the same two outcomes
+    (REFERENCE.md gives the ratio gate only; binary_kl and tv are defined here: the two-outcome reduction needs only
+    the sampled token's logprobs, and the behaviour policy comes first, as in the rollout_kl metric; 0 log 0 = 0.)
+    By .level, the statistic S the gate compares:
+      token  S_t = s_t                                      each token kept or dropped on its own
+      seq    S = sum_t mask_t s_t                           per sequence: all its tokens kept or all dropped
+      geo    S = sum_t mask_t s_t / sum_t mask_t            per sequence, the mean
       off    weights 1, keep = loss_mask
-    and by .mode, with [low, high] = [.low, .high]:
-      mask   weight rho, but tokens with rho outside [low, high] are dropped (weight 0, keep 0)
-      clip   weight clamp(rho, low, high)
-      trunc  weight min(rho, high)                               (truncated IS, upper cap only)
+    kept if  low <= exp(S) <= high  for ratio (inclusive; exp(S) is the product of the token ratios for seq, their
+    geometric mean for geo), and if  S <= high  for binary_kl and tv (divergences are >= 0; low is not used).
+    By .mode:
+      mask   weight rho_t on kept tokens, 0 on dropped ones
+      clip   weight clamp(rho_t, low, high), every token kept        token level and ratio gate only: contract.py
+      trunc  weight min(rho_t, high), every token kept               refuses the rest, as the original does
     Returns (weights [B,T] to multiply the per-token loss (0 outside keep), keep_mask [B,T] float).
     """
     rc = algo.rollout_correction
     mask = loss_mask.to(old_logp.dtype)
     if rc.level == "off":
         return mask.clone(), mask
-    log_rho = torch.where(mask > 0, old_logp - rollout_logp, 0.0).detach()  # [B,T]; where: pads may hold -inf
-    if rc.level == "token":
-        rho = log_rho.exp()
-    elif rc.level == "seq":
-        rho = log_rho.sum(dim=1, keepdim=True).exp().expand_as(mask)
-    elif rc.level == "geo":
-        rho = (log_rho.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)).exp().expand_as(mask)
-    else:
-        raise ValueError(f"unknown rollout_correction.level {rc.level!r}")
+    old_logp, rollout_logp = old_logp.detach(), rollout_logp.detach()
+    log_rho = torch.where(mask > 0, old_logp - rollout_logp, 0.0)  # [B,T]; where: pads may hold -inf
+    rho = log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp()  # [B,T]
+    if rc.mode != "mask":
+        if rc.level != "token" or rc.gate != "ratio" or rc.mode not in ("clip", "trunc"):
+            raise ValueError(f"rollout_correction mode {rc.mode!r} needs level 'token' and gate 'ratio'")
+        return (rho.clamp(rc.low, rc.high) if rc.mode == "clip" else rho.clamp(max=rc.high)) * mask, mask
 
-    if rc.mode == "mask":
-        keep = mask * ((rho >= rc.low) & (rho <= rc.high))
-        weights = torch.where(keep > 0, rho, torch.zeros_like(rho))  # where, not *: rho may be inf outside
-    elif rc.mode == "clip":
-        keep = mask
-        weights = rho.clamp(rc.low, rc.high) * mask
-    elif rc.mode == "trunc":
-        keep = mask
-        weights = rho.clamp(max=rc.high) * mask
+    if rc.gate == "ratio":
+        stat = log_rho
+    elif rc.gate in ("binary_kl", "tv"):
+        stat = torch.where(mask > 0, binary_divergence(rc.gate, old_logp, rollout_logp), 0.0)
     else:
-        raise ValueError(f"unknown rollout_correction.mode {rc.mode!r}")
-    return weights, keep
+        raise ValueError(f"unknown rollout_correction.gate {rc.gate!r}")
+    if rc.level == "seq":
+        stat = stat.sum(dim=1, keepdim=True)  # [B,1]
+    elif rc.level == "geo":
+        stat = stat.sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1)  # [B,1]
+    elif rc.level != "token":
+        raise ValueError(f"unknown rollout_correction.level {rc.level!r}")
+    # NaN compares False: a NaN statistic drops its token or sequence
+    kept = (rc.low <= stat.exp()) & (stat.exp() <= rc.high) if rc.gate == "ratio" else stat <= rc.high
+    keep = mask * kept  # [B,T]; a sequence's verdict [B,1] broadcasts over its tokens
+    return torch.where(keep > 0, rho, 0.0), keep
+
+
+def binary_divergence(gate: str, old_logp: Tensor, rollout_logp: Tensor) -> Tensor:
+    """Per-token binary_kl or tv of rollout_correction, from old_logp, rollout_logp [B,T] -> [B,T]."""
+    lp, lq = rollout_logp.clamp(max=0), old_logp.clamp(max=0)  # logprobs are <= 0; rounding may put them above
+    p, q = lp.exp(), lq.exp()
+    if gate == "tv":
+        return (p - q).abs()
+    not_p, not_q = -torch.expm1(lp), -torch.expm1(lq)  # 1 - p, 1 - q without cancellation near p = 1
+    this = torch.where(p > 0, p * (lp - lq), 0.0)
+    other = torch.where(not_p > 0, not_p * (not_p.log() - not_q.log()), 0.0)
+    return this + other
 
 
 # ----------------------------------------------------------------------------- KL and entropy

@@ -108,10 +108,24 @@ class VersionResponse(Strict):
 # ----------------------------------------------------------------------------- actor
 
 class RolloutCorrection(Strict):
+    """Formulas in algorithm.rollout_correction."""
     level: Literal["off", "token", "seq", "geo"] = "off"
     mode: Literal["mask", "clip", "trunc"] = "mask"
-    low: float = 0.5
+    gate: Literal["ratio", "binary_kl", "tv"] = "ratio"  # the statistic that keeps or drops tokens or sequences
+    low: float = 0.5  # ratio gate: kept if low <= ratio <= high; binary_kl and tv: kept if <= high
     high: float = 5.0
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.level in ("seq", "geo") and self.mode != "mask":
+            raise ValueError(f"rollout_correction level {self.level!r} keeps or drops whole sequences and weights each "
+                             f"kept token by its own ratio: it needs mode 'mask', not {self.mode!r}")
+        if self.level != "off" and self.gate != "ratio" and self.mode != "mask":
+            raise ValueError(f"rollout_correction gate {self.gate!r} keeps or drops tokens: it needs mode 'mask', "
+                             f"not {self.mode!r}")
+        if self.gate == "ratio" and not self.low <= self.high:
+            raise ValueError(f"rollout_correction needs low <= high, got low {self.low} and high {self.high}")
+        return self
 
 
 class AlgoConfig(Strict):

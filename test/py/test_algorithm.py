@@ -74,27 +74,32 @@ def ref_reinforce_pp(rewards, mask, logp_minus_ref, kl_coef, gamma, clip=10.0):
     return ref_whiten(returns, mask)
 
 
-def ref_rho(level, mode, low, high, old, rollout, mask):
-    """-> (weights, keep) as nested lists."""
+def ref_gate_stat(gate, old, rollout):
+    """Per-token gate statistic of one token, from its two logprobs."""
+    if gate == "ratio":
+        return old - rollout
+    p, q = math.exp(rollout), math.exp(old)
+    if gate == "tv":
+        return abs(p - q)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))  # binary_kl
+
+
+def ref_rho(level, mode, low, high, old, rollout, mask, gate="ratio"):
+    """-> (weights, keep) as nested lists: a gate (token or whole sequence) keeps, each kept token weighs its own rho."""
     weights, keep = [], []
     for o_row, r_row, m_row in zip(old, rollout, mask):
-        logs = [o - r for o, r, m in zip(o_row, r_row, m_row) if m]
-        if level == "off":
-            rhos = [1.0] * len(m_row)
-        elif level == "token":
-            rhos = [math.exp(o - r) for o, r in zip(o_row, r_row)]
-        elif level == "seq":
-            rhos = [math.exp(sum(logs))] * len(m_row)
-        else:
-            rhos = [math.exp(sum(logs) / len(logs))] * len(m_row)
+        stats = [ref_gate_stat(gate, o, r) if m else 0.0 for o, r, m in zip(o_row, r_row, m_row)]
+        if level in ("seq", "geo"):
+            stats = [sum(stats) / (sum(m_row) if level == "geo" else 1)] * len(m_row)
         w_row, k_row = [], []
-        for rho, m in zip(rhos, m_row):
+        for stat, o, r, m in zip(stats, o_row, r_row, m_row):
+            rho = math.exp(o - r)
             if not m:
                 w, k = 0.0, 0.0
             elif level == "off":
                 w, k = 1.0, 1.0
             elif mode == "mask":
-                k = 1.0 if low <= rho <= high else 0.0
+                k = float(low <= math.exp(stat) <= high if gate == "ratio" else stat <= high)
                 w = rho * k
             elif mode == "clip":
                 w, k = min(max(rho, low), high), 1.0
@@ -227,28 +232,21 @@ def test_staleness_mask():
 
 # Hand-worked: low 0.5, high 2.5. Sequence A: token rhos [2, 4] (third token padding); B: [0.25, 1, 1].
 # seq: A 2*4 = 8, B 0.25. geo: A sqrt(8) = 2.828427, B 0.25^(1/3) = 0.629961.
+# A sequence gate keeps or drops the whole sequence; each kept token weighs its OWN rho.
 A_ROWS = {
     ("token", "mask"): ([2.0, 0.0, 0.0], [1, 0, 0]),  # 4 > 2.5 dropped
     ("token", "clip"): ([2.0, 2.5, 0.0], [1, 1, 0]),
     ("token", "trunc"): ([2.0, 2.5, 0.0], [1, 1, 0]),
     ("seq", "mask"): ([0.0, 0.0, 0.0], [0, 0, 0]),  # 8 > 2.5
-    ("seq", "clip"): ([2.5, 2.5, 0.0], [1, 1, 0]),
-    ("seq", "trunc"): ([2.5, 2.5, 0.0], [1, 1, 0]),
     ("geo", "mask"): ([0.0, 0.0, 0.0], [0, 0, 0]),  # 2.828 > 2.5
-    ("geo", "clip"): ([2.5, 2.5, 0.0], [1, 1, 0]),
-    ("geo", "trunc"): ([2.5, 2.5, 0.0], [1, 1, 0]),
     ("off", "mask"): ([1.0, 1.0, 0.0], [1, 1, 0]),
 }
 B_ROWS = {
     ("token", "mask"): ([0.0, 1.0, 1.0], [0, 1, 1]),  # 0.25 < 0.5 dropped
     ("token", "clip"): ([0.5, 1.0, 1.0], [1, 1, 1]),
     ("token", "trunc"): ([0.25, 1.0, 1.0], [1, 1, 1]),  # trunc caps only from above
-    ("seq", "mask"): ([0.0, 0.0, 0.0], [0, 0, 0]),
-    ("seq", "clip"): ([0.5, 0.5, 0.5], [1, 1, 1]),
-    ("seq", "trunc"): ([0.25, 0.25, 0.25], [1, 1, 1]),
-    ("geo", "mask"): ([0.629961] * 3, [1, 1, 1]),
-    ("geo", "clip"): ([0.629961] * 3, [1, 1, 1]),
-    ("geo", "trunc"): ([0.629961] * 3, [1, 1, 1]),
+    ("seq", "mask"): ([0.0, 0.0, 0.0], [0, 0, 0]),  # 0.25 < 0.5
+    ("geo", "mask"): ([0.25, 1.0, 1.0], [1, 1, 1]),  # 0.63 kept: each token its own rho (not 0.63 on all three)
     ("off", "mask"): ([1.0, 1.0, 1.0], [1, 1, 1]),
 }
 
@@ -264,17 +262,86 @@ def test_rollout_correction_by_hand(level, mode):
     close(keep, [A_ROWS[level, mode][1], B_ROWS[level, mode][1]])
 
 
-@pytest.mark.parametrize("level", ["off", "token", "seq", "geo"])
-@pytest.mark.parametrize("mode", ["mask", "clip", "trunc"])
-def test_rollout_correction_matches_reference(level, mode):
+def test_sequence_gate_weights_each_token_by_its_own_ratio():
+    # rhos C [2, 0.5, 1.5]: product 1.5, geometric mean 1.5^(1/3) = 1.144714; D [3, 1]: product 3, geo sqrt(3) = 1.732;
+    # E [2, 0.5]: product exactly 1 (ln 0.5 = -ln 2), on the bounds [1, 1]: kept (inclusive)
+    log_rho = torch.tensor([[math.log(2), math.log(0.5), math.log(1.5)], [math.log(3), 0.0, 0.0],
+                            [math.log(2), math.log(0.5), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    rollout = torch.full((3, 3), -2.0)
+
+    def run(level, low, high):
+        rc = RolloutCorrection(level=level, mode="mask", low=low, high=high)
+        return rollout_correction(AlgoConfig(rollout_correction=rc), rollout + log_rho, rollout, mask)
+
+    weights, keep = run("seq", 0.5, 2.5)  # C kept, D (3 > 2.5) dropped, E kept
+    close(weights, [[2.0, 0.5, 1.5], [0.0, 0.0, 0.0], [2.0, 0.5, 0.0]])
+    close(keep, [[1, 1, 1], [0, 0, 0], [1, 1, 0]])
+    weights, keep = run("geo", 0.5, 2.5)  # all three kept, each token with its own ratio
+    close(weights, [[2.0, 0.5, 1.5], [3.0, 1.0, 0.0], [2.0, 0.5, 0.0]])
+    weights, keep = run("seq", 1.0, 1.0)  # only E: the bounds are inclusive
+    close(keep, [[0, 0, 0], [0, 0, 0], [1, 1, 0]])
+    close(weights, [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0], [2.0, 0.5, 0.0]])
+
+
+def test_binary_kl_and_tv_gates_by_hand():
+    # token 0: p (rollout) 0.2, q (old) 0.3: tv 0.1, binary_kl 0.2 ln(0.2/0.3) + 0.8 ln(0.8/0.7) = 0.025732, rho 1.5
+    # token 1: p 0.5, q 0.5: both 0, rho 1.   token 2: p 0.9, q 0.6: tv 0.3,
+    #   binary_kl 0.9 ln(1.5) + 0.1 ln(0.1/0.4) = 0.364919 - 0.138629 = 0.226290, rho 0.666667
+    rollout = torch.tensor([[math.log(0.2), math.log(0.5), math.log(0.9)]])
+    old = torch.tensor([[math.log(0.3), math.log(0.5), math.log(0.6)]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+
+    def run(gate, level, high):
+        rc = RolloutCorrection(level=level, mode="mask", gate=gate, high=high)  # low 0.5 is not used by divergences
+        return rollout_correction(AlgoConfig(rollout_correction=rc), old, rollout, mask)
+
+    close(run("tv", "token", 0.1)[1], [[1, 1, 0]])  # 0.1 <= 0.1 kept, 0.3 dropped
+    close(run("tv", "token", 0.1)[0], [[1.5, 1.0, 0.0]])
+    close(run("tv", "geo", 0.14)[1], [[1, 1, 1]])  # mean 0.4 / 3 = 0.133 <= 0.14
+    close(run("tv", "seq", 0.39)[1], [[0, 0, 0]])  # sum 0.4 > 0.39
+    close(run("binary_kl", "token", 0.03)[0], [[1.5, 1.0, 0.0]])  # 0.0257 kept, 0.2263 dropped
+    close(run("binary_kl", "seq", 0.2521)[0], [[1.5, 1.0, 2 / 3]])  # sum 0.252022: kept...
+    close(run("binary_kl", "seq", 0.2520)[1], [[0, 0, 0]])  # ...and dropped just below it
+    # certain tokens: p = 1 (0 log 0 = 0 on the other outcome) and q = 1 with p < 1 (infinite KL: dropped)
+    weights, keep = rollout_correction(AlgoConfig(rollout_correction=RolloutCorrection(
+        level="token", gate="binary_kl", high=5.0)), torch.tensor([[math.log(0.5), 0.0]]), torch.tensor([[0.0, -1.0]]),
+        torch.ones(1, 2))
+    close(keep, [[1, 0]])
+    close(weights, [[0.5, 0.0]])
+
+
+def test_sequence_gates_refuse_clip_and_trunc():
+    for level, mode, gate in [("seq", "clip", "ratio"), ("geo", "trunc", "ratio"), ("token", "clip", "tv"),
+                              ("seq", "trunc", "binary_kl")]:
+        with pytest.raises(ValidationError, match=f"rollout_correction .* needs mode 'mask', not '{mode}'"):
+            RolloutCorrection(level=level, mode=mode, gate=gate)
+    with pytest.raises(ValidationError, match="rollout_correction needs low <= high, got low 2.0 and high 1.0"):
+        RolloutCorrection(level="token", low=2.0, high=1.0)
+    RolloutCorrection(level="token", mode="clip")  # still fine: a token ratio can be clipped
+    RolloutCorrection(level="off", mode="clip", gate="tv")  # off ignores the rest
+
+
+VALID = [("off", "mask", "ratio"), ("token", "clip", "ratio"), ("token", "trunc", "ratio")] + \
+        [(level, "mask", gate) for level in ("token", "seq", "geo") for gate in ("ratio", "binary_kl", "tv")]
+
+
+@pytest.mark.parametrize("level,mode,gate", VALID)
+def test_rollout_correction_matches_reference(level, mode, gate):
     g, mask = random_batch(3)
     old = -torch.rand(6, 7, generator=g) * 2
-    rollout = old + torch.randn(6, 7, generator=g) * 0.3
-    algo = AlgoConfig(rollout_correction=RolloutCorrection(level=level, mode=mode, low=0.8, high=1.25))
+    rollout = (old + torch.randn(6, 7, generator=g) * 0.3).clamp(max=-0.01)  # logprobs: <= 0
+    # bounds that keep some and drop some of this batch (divergence gates do not use low)
+    low, high = {("ratio", "seq"): (0.5, 2.0), ("ratio", "geo"): (0.95, 1.1), ("binary_kl", "token"): (0.5, 0.02),
+                 ("binary_kl", "seq"): (0.5, 0.25), ("binary_kl", "geo"): (0.5, 0.045), ("tv", "token"): (0.5, 0.08),
+                 ("tv", "seq"): (0.5, 0.5), ("tv", "geo"): (0.5, 0.08)}.get((gate, level), (0.8, 1.25))
+    algo = AlgoConfig(rollout_correction=RolloutCorrection(level=level, mode=mode, gate=gate, low=low, high=high))
     weights, keep = rollout_correction(algo, old, rollout, mask)
-    ref_w, ref_k = ref_rho(level, mode, 0.8, 1.25, old.tolist(), rollout.tolist(), mask.tolist())
+    ref_w, ref_k = ref_rho(level, mode, low, high, old.tolist(), rollout.tolist(), mask.tolist(), gate)
     close(weights, ref_w)
     close(keep, ref_k)
+    if level != "off" and mode == "mask":  # the bounds are chosen so that the gate keeps some and drops some
+        assert 0 < keep.sum() < mask.sum(), keep
 
 
 # ----------------------------------------------------------------------------- KL and entropy
@@ -501,7 +568,7 @@ def test_global_token_mean_split_equals_whole(policy_loss):
     adv = torch.randn(4, 6, generator=g) * mask
     entropy_base = torch.rand(4, 6, generator=g)
     algo = AlgoConfig(policy_loss=policy_loss, entropy_coef=0.01,
-                      rollout_correction=RolloutCorrection(level="seq", mode="clip", low=0.5, high=2.0))
+                      rollout_correction=RolloutCorrection(level="seq", mode="mask", low=0.8, high=1.25))
     total = float(mask.sum())
 
     def run(rows):

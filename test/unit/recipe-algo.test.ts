@@ -24,3 +24,17 @@ test('reward_clip: a symmetric bound or a [low, high] range', () => {
   expect(() => algo({ 'algo.reward_clip': '[5,1]' })).toThrow('recipe config: algo.reward_clip: reward_clip [low, high] needs low < high');
   expect(() => algo({ 'algo.reward_clip': '0' })).toThrow(/recipe config: algo\.reward_clip: .*>0/);
 });
+
+test('rollout_correction: sequence gates and divergence gates need mode mask; low <= high', () => {
+  expect(algo({}).rollout_correction).toEqual({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 });
+  expect(algo({ 'algo.rollout_correction': '{"level":"geo","gate":"tv","high":0.1}' }).rollout_correction)
+    .toEqual({ level: 'geo', mode: 'mask', gate: 'tv', low: 0.5, high: 0.1 });
+  expect(algo({ 'algo.rollout_correction': '{"level":"token","mode":"clip"}' }).rollout_correction.mode).toBe('clip');
+  expect(() => algo({ 'algo.rollout_correction': '{"level":"seq","mode":"clip"}' })).toThrow(
+    "recipe config: algo.rollout_correction.mode: rollout_correction level 'seq' keeps or drops whole sequences and "
+    + "weights each kept token by its own ratio: it needs mode 'mask', not 'clip'");
+  expect(() => algo({ 'algo.rollout_correction': '{"level":"token","mode":"trunc","gate":"binary_kl"}' })).toThrow(
+    "algo.rollout_correction.mode: rollout_correction gate 'binary_kl' keeps or drops tokens: it needs mode 'mask'");
+  expect(() => algo({ 'algo.rollout_correction': '{"level":"token","low":2,"high":1}' })).toThrow(
+    'algo.rollout_correction.low: rollout_correction needs low <= high, got low 2 and high 1');
+});
