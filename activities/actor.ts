@@ -15,6 +15,9 @@ import {
   callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
 import { writeFileAtomic } from './store';
+
+// /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
+const CONTROL_TIMEOUT_MS = 30_000;
 import type {
   CheckpointInput, CheckpointResult, RefitInput, RefitResult, ServiceEndpoints, TrainStepInput, TrainStepResult,
 } from './types';
@@ -93,15 +96,28 @@ export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInp
   return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
 }
 
+// Resumes the given engines (all of them, even when one fails) and throws if any resume failed.
+// Repeating /resume is harmless, so every path of refit may call it on any engine that is paused.
+async function resumeEngines(engines: string[], token: string): Promise<void> {
+  const resumed = await Promise.allSettled(engines.map((e) => callService(e, '/resume', token, { body: {}, timeoutMs: CONTROL_TIMEOUT_MS })));
+  const failed = resumed.flatMap((r) => (r.status === 'rejected' ? [(r.reason as Error).message] : []));
+  if (failed.length) throw new Error(`refit: resuming failed: ${failed.join('; ')}`);
+}
+
 // Pushes the actor's weights of step `version` to every engine not at that version (a restarted
-// engine comes back at version 0 and rejoins here; engines already there keep serving).
+// engine comes back at version 0 and rejoins here; engines already there keep serving). An engine
+// found paused is resumed whatever else happens: an earlier attempt may have pushed the weights
+// and then failed to resume it (a connection reset on /resume), and nothing else would.
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
   const started = Date.now();
   const { token } = endpoints;
-  const health = await Promise.all(endpoints.engines.map((e) => callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth' })));
+  const health = await Promise.all(endpoints.engines.map((e) =>
+    callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth', timeoutMs: CONTROL_TIMEOUT_MS })));
   const engines = endpoints.engines.filter((_, i) => health[i].version !== input.version);
+  const paused = endpoints.engines.filter((e, i) => health[i].paused && !engines.includes(e));
   if (engines.length === 0) {
-    Context.current().log.info('refit: engines already at version', { version: input.version });
+    await resumeEngines(paused, token);
+    Context.current().log.info('refit: engines already at version', { version: input.version, resumed: paused.length });
     return { version: input.version, seconds: 0, bytes: 0 }; // a retry after a completed push
   }
   // The weights must be those of step `version`: a restarted actor catches up first.
@@ -110,20 +126,21 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
   if (actor.run_id !== input.runId || actor.last_step !== input.version) {
     throw new Error(`refit: asked for version ${input.version} of run ${input.runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
   }
-  let pushed: PushWeightsResponse | undefined;
+  let pushed: PushWeightsResponse;
   try {
     // Pause with mode keep: in-flight requests are held, not dropped, and continue on the new weights.
     // Inside the try: if one engine fails to pause, the others are still resumed.
-    await Promise.all(engines.map((e) => callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest' })));
+    await Promise.all(engines.map((e) =>
+      callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest', timeoutMs: CONTROL_TIMEOUT_MS })));
     pushed = await heartbeating({ version: input.version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
       body: { engines: engines.map((url) => ({ url })), version: input.version },
       request: 'PushWeightsRequest', response: 'PushWeightsResponse',
     }));
-  } finally {
-    const resumed = await Promise.allSettled(engines.map((e) => callService(e, '/resume', token, { body: {} })));
-    const failed = resumed.flatMap((r) => (r.status === 'rejected' ? [(r.reason as Error).message] : []));
-    if (pushed && failed.length) throw new Error(`refit: weights pushed, but resuming failed: ${failed.join('; ')}`);
+  } catch (e) {
+    await resumeEngines([...engines, ...paused], token).catch(() => undefined); // the push's error is the one to report
+    throw e;
   }
+  await resumeEngines([...engines, ...paused], token); // on failure the retry finds them paused and resumes them
   return { version: pushed.version, seconds: (Date.now() - started) / 1000, bytes: pushed.bytes };
 }
 

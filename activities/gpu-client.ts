@@ -53,7 +53,9 @@ function check(model: string, body: unknown, what: string, status: number): void
   }
 }
 
-export interface CallOptions { body?: unknown; request?: string; response?: string; signal?: AbortSignal }
+// timeoutMs: the whole call (answer included) must finish by then, or it fails like an unreachable
+// service (status undefined): a hung process (SIGSTOPped, deadlocked) holds its connections open.
+export interface CallOptions { body?: unknown; request?: string; response?: string; signal?: AbortSignal; timeoutMs?: number }
 
 // One call: `request`/`response` name contract models to validate against (omit for bodies the
 // contract does not define, like /pause's reply).
@@ -65,17 +67,21 @@ export async function callService<T>(baseUrl: string, route: string, token: stri
     payload = JSON.stringify(opts.body);
     if (opts.request) check(opts.request, JSON.parse(payload), `request to ${url}`, 400); // our bug: never retried
   }
+  const deadline = opts.timeoutMs === undefined ? undefined : AbortSignal.timeout(opts.timeoutMs);
+  const signal = deadline && opts.signal ? AbortSignal.any([opts.signal, deadline]) : deadline ?? opts.signal;
   let res: Response;
+  let text: string;
   try {
     res = await fetch(url, {
-      method, body: payload, signal: opts.signal,
+      method, body: payload, signal,
       headers: { authorization: `Bearer ${token}`, ...(payload ? { 'content-type': 'application/json' } : {}) },
     });
+    text = await res.text();
   } catch (e) {
+    if (deadline?.aborted && !opts.signal?.aborted) throw new ServiceError(`${method} ${url}: no answer within ${opts.timeoutMs! / 1000} s`);
     const cause = (e as any)?.cause?.message ?? (e as Error).message;
     throw new ServiceError(`${method} ${url} failed: ${cause}`);
   }
-  const text = await res.text();
   let json: any;
   try {
     json = text ? JSON.parse(text) : undefined;
