@@ -188,19 +188,21 @@ class TorchEngine:
 
     def receive_weights(self, req: WeightReceiveRequest) -> int:
         """Join the actor's one-off group as req.rank and take each broadcast bucket into the model.
-        The scheduler is blocked for the whole transfer, so no forward sees half-updated weights."""
+        The rendezvous runs outside the model lock: it waits up to the transfer timeout for an actor that
+        may have died, and meanwhile the engine keeps generating (after the refit's resume) and can join
+        the next push. Only the transfer itself blocks the scheduler, so no forward sees half-updated weights."""
         for bucket in req.buckets:
             for spec in bucket:
                 self._check_tensor(spec.name, spec.shape, spec.dtype)
-        with self._model_lock:
-            group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
-            try:
+        group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
+        try:
+            with self._model_lock:
                 for bucket in req.buckets:
                     for name, tensor in recv_bucket(group, bucket, self.device):
                         self._state[name].copy_(tensor)
-            finally:  # one group per refit: free its connections (NCCL communicators on GPU)
-                group.shutdown()
-            self._set_version(req.version)
+                self._set_version(req.version)
+        finally:  # one group per refit: free its connections (NCCL communicators on GPU)
+            group.shutdown()
         return req.version
 
     def load_weights(self, path: str, version: int) -> int:

@@ -35,8 +35,13 @@ TIMEOUT_S = float(os.environ.get("MOLT_TRANSFER_TIMEOUT_S", "30"))
 
 def open_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
                timeout_s: float = TIMEOUT_S) -> dist.ProcessGroup:
+    """Returns once every rank has joined (or raises after timeout_s): the whole rendezvous happens here,
+    so a caller can wait for it without holding anything. NCCL would otherwise connect lazily, inside
+    the first broadcast; the store barrier below makes both backends rendezvous here."""
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
                           timeout=timedelta(seconds=timeout_s))
+    store.set(f"joined/{rank}", "1")
+    store.wait([f"joined/{r}" for r in range(world_size)])
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=timeout_s))

@@ -288,3 +288,29 @@ def test_unknown_model_dir_exits_with_a_clear_message(tmp_path):
     proc = subprocess.run([PY, str(GPU / "engine.py"), "--model", str(tmp_path / "nope"), "--port", str(free_port()),
                            "--token", TOKEN], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and f"model dir {str(tmp_path / 'nope')!r} does not exist" in proc.stderr
+
+
+def test_a_dead_actor_does_not_block_generation_or_the_next_push(weights_engine, model):
+    """An actor that died before the rendezvous: the engine waits for it (up to the transfer timeout,
+    30 s) in one thread, and meanwhile generates and takes a push from a live actor. Before, the wait
+    held the model lock, so both blocked until the timeout."""
+    import socket
+    dead = socket.socket()  # bound, never listening: the dead actor's port, kept from other users
+    dead.bind(("127.0.0.1", 0))
+    body = WeightReceiveRequest(master_addr="127.0.0.1", master_port=dead.getsockname()[1], world_size=2, rank=1,
+                                buckets=plan_buckets(model.state_dict().items(), 64 * 1024), version=99).model_dump()
+    reply = {}
+    waiting = threading.Thread(target=lambda: reply.update(r=client(weights_engine).post("/weights/receive", json=body)))
+    waiting.start()
+    try:
+        time.sleep(1)  # the engine is in the rendezvous now
+        assert len(generate(weights_engine, [1, 2, 3], max_tokens=20)["token_ids"]) == 20
+        assert waiting.is_alive(), "generation waited for the dead actor's rendezvous"
+        assert push_weights(weights_engine, perturbed(model, seed=5), version=8) == {"version": 8}
+        assert waiting.is_alive(), "the next push waited for the dead actor's rendezvous"
+        assert client(weights_engine).get("/health").json()["version"] == 8
+    finally:
+        waiting.join()
+        dead.close()
+    assert reply["r"].status_code == 500 and "weight update failed" in reply["r"].json()["error"]
+    assert client(weights_engine).get("/health").json()["version"] == 8  # the failed transfer changed nothing
