@@ -3,6 +3,7 @@
 // a crash mid-append is cut off before the next one, so every step has exactly one whole line.
 import { promises as fs } from 'node:fs';
 import * as path from 'node:path';
+import { writeError } from './store';
 import type { ServiceEndpoints } from './types';
 
 export interface RecordMetricsInput { runId: string; step: number; metrics: Record<string, number> }
@@ -15,24 +16,28 @@ const TAIL_BYTES = 1 << 16; // more than one line
 
 export async function recordMetrics(endpoints: ServiceEndpoints, input: RecordMetricsInput): Promise<{ written: boolean }> {
   const file = metricsFile(endpoints.storeRoot, input.runId);
-  await fs.mkdir(path.dirname(file), { recursive: true });
-  const handle = await fs.open(file, 'a+');
   try {
-    const { size } = await handle.stat();
-    const start = Math.max(0, size - TAIL_BYTES);
-    const tail = Buffer.alloc(size - start);
-    await handle.read(tail, 0, tail.length, start);
-    const text = tail.toString('utf8');
-    const whole = text.lastIndexOf('\n') + 1; // bytes after this belong to a torn line
-    if (whole < text.length) await handle.truncate(start + Buffer.byteLength(text.slice(0, whole)));
-    const lastLine = text.slice(0, whole).trimEnd().split('\n').pop();
-    const lastStep = lastLine ? (JSON.parse(lastLine) as { step: number }).step : 0;
-    if (lastStep >= input.step) return { written: false }; // a retry: this step is already there
-    await handle.appendFile(`${JSON.stringify({ step: input.step, time: new Date().toISOString(), ...input.metrics })}\n`);
-    await handle.sync();
-    return { written: true };
-  } finally {
-    await handle.close();
+    await fs.mkdir(path.dirname(file), { recursive: true });
+    const handle = await fs.open(file, 'a+');
+    try {
+      const { size } = await handle.stat();
+      const start = Math.max(0, size - TAIL_BYTES);
+      const tail = Buffer.alloc(size - start);
+      await handle.read(tail, 0, tail.length, start);
+      const text = tail.toString('utf8');
+      const whole = text.lastIndexOf('\n') + 1; // bytes after this belong to a torn line (a crash, a full disk)
+      if (whole < text.length) await handle.truncate(start + Buffer.byteLength(text.slice(0, whole)));
+      const lastLine = text.slice(0, whole).trimEnd().split('\n').pop();
+      const lastStep = lastLine ? (JSON.parse(lastLine) as { step: number }).step : 0;
+      if (lastStep >= input.step) return { written: false }; // a retry: this step is already there
+      await handle.appendFile(`${JSON.stringify({ step: input.step, time: new Date().toISOString(), ...input.metrics })}\n`);
+      await handle.sync();
+      return { written: true };
+    } finally {
+      await handle.close();
+    }
+  } catch (e) {
+    throw writeError(e, file);
   }
 }
 

@@ -84,22 +84,38 @@ export function decodeSafetensors(buf: Buffer, what: string): { tensors: Record<
   return { tensors, metadata: header.__metadata__ ?? {} };
 }
 
+// A write that failed for want of room (ENOSPC), or for another system reason, as an error that
+// names the file: Node's own message ("ENOSPC: no space left on device, write") does not. Temporal
+// retries the activity; once there is room again the write succeeds.
+export function writeError(e: unknown, file: string): Error {
+  const code = (e as NodeJS.ErrnoException)?.code;
+  if (code === undefined) return e as Error;
+  const what = code === 'ENOSPC' ? 'no space left on device (ENOSPC)' : (e as Error).message;
+  return Object.assign(new Error(`${what} writing ${file}`, { cause: e }), { code });
+}
+
 // A retried write is the same write: the bytes go to a temp file, are fsynced, then renamed over
 // the deterministic key, so readers see either nothing or the whole file. Asynchronous, so the
-// fsyncs run off the event loop while the worker's other episodes keep generating.
+// fsyncs run off the event loop while the worker's other episodes keep generating. A failed write
+// removes its temp file (a full disk once left dozens per episode behind).
 export async function writeFileAtomic(file: string, data: Buffer | string): Promise<void> {
-  await fs.promises.mkdir(path.dirname(file), { recursive: true });
   const tmp = `${file}.tmp-${process.pid}-${Math.random().toString(36).slice(2)}`;
-  const handle = await fs.promises.open(tmp, 'w');
   try {
-    await handle.writeFile(data);
-    await handle.sync();
-  } finally {
-    await handle.close();
+    await fs.promises.mkdir(path.dirname(file), { recursive: true });
+    const handle = await fs.promises.open(tmp, 'w');
+    try {
+      await handle.writeFile(data);
+      await handle.sync();
+    } finally {
+      await handle.close();
+    }
+    await fs.promises.rename(tmp, file);
+    const dir = await fs.promises.open(path.dirname(file), 'r');
+    try { await dir.sync(); } finally { await dir.close(); }
+  } catch (e) {
+    await fs.promises.rm(tmp, { force: true });
+    throw writeError(e, file);
   }
-  await fs.promises.rename(tmp, file);
-  const dir = await fs.promises.open(path.dirname(file), 'r');
-  try { await dir.sync(); } finally { await dir.close(); }
 }
 
 export interface Trajectory {

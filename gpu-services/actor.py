@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 
 import weight_transfer
 from algorithm import compute_advantages, entropy_from_logits, policy_objective, staleness_mask
-from common import check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env
+from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
+                    write_error)
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, LogprobsRequest,
                       LogprobsResponse, PushWeightsRequest, PushWeightsResponse, TrainStepRequest, TrainStepResponse,
                       WeightReceiveRequest)
@@ -173,6 +174,7 @@ class Actor:
         self.lock = threading.Lock()  # rank 0: one command at a time
         self.log_path = Path(args.state_dir) / "steps.jsonl"
         self.step_log: dict[tuple[str, int], dict] = {}
+        self.log_behind = False  # the file lacks steps of step_log (a write failed): rewrite it whole next time
 
     def sharded(self, path: str):
         """fp32 master weights; on GPU, --dtype sets the compute dtype (FSDP2 mixed precision, fp32 reductions)."""
@@ -392,6 +394,18 @@ class Actor:
             return
         final = Path(path)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        try:
+            self._write_checkpoint(tmp, weights, optim)
+        except Exception as e:  # e.g. a full disk: leave nothing half-written behind, and say which disk
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise write_error(e, final) from e
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+
+    def _write_checkpoint(self, tmp: Path, weights: dict, optim: dict) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         tied = tied_output_name(self.model)
@@ -402,18 +416,15 @@ class Actor:
             if f.is_file() and not f.name.endswith((".safetensors", ".safetensors.index.json")) and \
                     f.name not in ("config.json", "optimizer.pt", "trainer_state.json", "steps.jsonl"):
                 shutil.copy2(f, tmp / f.name)
-        torch.save(optim, tmp / "optimizer.pt")
+        with open(tmp / "optimizer.pt", "wb") as fh:  # a Python file: torch keeps its OSError (e.g. ENOSPC)
+            torch.save(optim, fh)
         (tmp / "trainer_state.json").write_text(json.dumps(
             {"run_id": self.run_id, "step": self.last_step, "version": self.version}))
-        shutil.copy2(self.log_path, tmp / "steps.jsonl")  # so a fresh actor loading this still replays its steps
+        # the step log, so a fresh actor loading this still replays its steps (from memory: the file may be behind)
+        (tmp / "steps.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.step_log.values()))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
 
     def load_checkpoint(self, trainer_state: dict, weights: dict | None = None, optim: dict | None = None) -> None:
         """All ranks; rank 0 passes the full state read from disk and broadcasts it into every rank's shards."""
@@ -426,20 +437,34 @@ class Actor:
 
     def set_log(self, entries: list[dict]) -> None:
         """Replace the step log (atomically) by entries: those of the steps inside the current weights."""
-        tmp = self.log_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(json.dumps(e) + "\n" for e in entries)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.rename(self.log_path)
         self.step_log = {(e["run_id"], e["step"]): e for e in entries}
+        tmp = self.log_path.with_suffix(".tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(e) + "\n" for e in entries)
+                f.flush()
+                os.fsync(f.fileno())
+            tmp.rename(self.log_path)
+            self.log_behind = False
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.log_behind = True
+            raise write_error(e, self.log_path) from e
 
     def append_log(self, entry: dict) -> None:
-        with open(self.log_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        """In memory first: the step is in the weights now, so a retry must be answered, not trained again, even
+        when the file write fails (a full disk); the file is then rewritten whole at the next step."""
         self.step_log[(entry["run_id"], entry["step"])] = entry
+        if self.log_behind:
+            return self.set_log(list(self.step_log.values()))
+        try:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # the file may end in a torn line: rewrite it next time
+            self.log_behind = True
+            raise write_error(e, self.log_path) from e
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
 """What the engine and the actor share: bearer-token auth, clear 4xx errors, model loading, devices."""
+import errno
 import hmac
 import os
 from pathlib import Path
@@ -31,7 +32,23 @@ def service_app(title: str, token: str | None) -> FastAPI:
     async def http_error(_request: Request, exc: HTTPException):
         return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
 
+    @app.exception_handler(OSError)  # e.g. a full disk: 507 Insufficient Storage, the message names the path
+    async def os_error(_request: Request, exc: OSError):
+        return JSONResponse({"error": str(exc)}, status_code=507 if exc.errno == errno.ENOSPC else 500)
+
     return app
+
+
+def write_error(e: BaseException, path) -> BaseException:
+    """ENOSPC anywhere in e's chain as an OSError naming path; other errors unchanged. torch.save reports a full
+    disk as `RuntimeError: [enforce fail at inline_container.cc] unexpected pos` (the OSError, when it writes to a
+    Python file, is its __context__), safetensors as `SafetensorError: ... (os error 28)`: neither names the disk."""
+    cause = e
+    while cause is not None:
+        if (isinstance(cause, OSError) and cause.errno == errno.ENOSPC) or "(os error 28)" in str(cause):
+            return OSError(errno.ENOSPC, f"no space left on device (ENOSPC) writing {path}")
+        cause = cause.__cause__ or cause.__context__
+    return e
 
 
 def check_model_dir(path: str) -> Path:

@@ -1,6 +1,8 @@
 """The actor as real processes (torchrun, gloo, world sizes 1 and 2) training on trajectories sampled by a real
 engine: forward consistency with the engine before and after a weight push, world size 1 == world size 2,
 exactly-once steps, checkpoint round trip into a fresh process, bad input."""
+import contextlib
+import json
 import subprocess
 
 import httpx
@@ -296,3 +298,49 @@ def test_moe_routing_replay(tiny_moe_model, tmp_path):
         # routes that do not fit the model
         r = step(3, "bad", lambda t: torch.zeros(len(t), 5, 2))
         assert r.status_code == 400 and "does not fit the model" in r.json()["error"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root only), filled and freed by the test: a disk that runs full."""
+    import os
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(disk) -> None:
+    with open(disk / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+
+
+def test_a_full_disk_is_named_and_the_actor_goes_on_once_there_is_room(store, tiny_model, small_disk):
+    """The state dir and the checkpoint on a full disk: each failed write says ENOSPC and names its path, leaves no
+    temp file, and a step whose log line could not be written is still applied once (the retry is answered)."""
+    (small_disk / "state").mkdir()
+    with actor_server(tiny_model, small_disk / "state", 1) as url, client(url) as c:
+        fill(small_disk)
+        r = train(url, store, 1)
+        assert r.status_code == 507 and r.json()["error"] == \
+            f"[Errno 28] no space left on device (ENOSPC) writing {small_disk / 'state' / 'steps.jsonl'}"
+        ckpt = small_disk / "ckpt"
+        r = c.post("/checkpoint/save", json={"path": str(ckpt)})
+        assert r.status_code == 507 and r.json()["error"] == f"[Errno 28] no space left on device (ENOSPC) writing {ckpt}"
+        assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "state"]  # no half-written checkpoint
+        (small_disk / "filler").unlink()
+        r = train(url, store, 1)
+        assert r.status_code == 200 and r.json()["replayed"], r.text  # applied once, before the disk was full
+        assert train(url, store, 2).status_code == 200
+        log = [json.loads(line) for line in (small_disk / "state" / "steps.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in log] == [1, 2]
+        assert c.post("/checkpoint/save", json={"path": str(ckpt)}).status_code == 200
+        assert (ckpt / "optimizer.pt").is_file()
+        assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt", "state"]
