@@ -1,72 +1,48 @@
 #!/usr/bin/env -S npx tsx
 // molt-client: start, follow, inspect and stop training runs (each run is workflow `molt-<runId>`).
+// Parsing is commander's; a command is one `program.command(...)` block below (or a function of
+// `program` in its own file, like schedule). Exit codes: 0 done, 1 a run failed or was not found,
+// 2 bad input (usage, recipe config, agent module, a rejected value).
+import * as path from 'node:path';
 import {
-  Client, Connection, WorkflowExecutionAlreadyStartedError, WorkflowNotFoundError, WorkflowUpdateFailedError, type WorkflowHandle,
+  WorkflowExecutionAlreadyStartedError, WorkflowFailedError, WorkflowNotFoundError, WorkflowUpdateFailedError,
+  type WorkflowHandle,
 } from '@temporalio/client';
+import { Command, CommanderError } from 'commander';
+import { loadAgentRunner } from '../agents/contract';
 import { loadRecipe, RecipeError, resolveModelDir, type RecipeConfig } from '../agents/recipe';
-import { checkpointUpdate, LIVE_SETTINGS, pauseUpdate, resumeUpdate, setUpdate, type ControlState, type Settings } from '../workflows/control';
+import {
+  checkpointUpdate, LIVE_SETTINGS, pauseUpdate, resumeUpdate, setUpdate, type ControlState, type Settings,
+} from '../workflows/control';
 import { progressQuery, runWorkflowId, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
+import { connect, recipeKeysHelp, takeRecipeOverrides, type Temporal } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { evalCheckpoint } from './eval';
 import { follow, formatSeconds } from './follow';
 import { plotRun } from './plot';
-import { scheduleCommand, SCHEDULE_USAGE } from './schedule';
+import { addScheduleCommands } from './schedule';
 import { hasSearchAttributes, runStartOptions } from './start-options';
-
-const USAGE = `usage: molt-client <command>
-  start <recipeDir> [--run-id ID] [--follow] [--dotted.key value ...]   start a run (e.g. --algo.lr 1e-6)
-  dev <recipeDir> [--run-id ID] [--follow] [--dotted.key value ...]     local stack + run, until it ends
-  status <runId>                                                        progress of a run
-  list                                                                  all runs
-  cancel <runId>                                                        graceful stop (finish step, checkpoint)
-  pause <runId> | resume <runId>                                        hold / release training (rollouts fill one batch)
-  set <runId> --algo.lr 1e-4 [--batch.groups 8 ...]                    change live settings from the next step
-  checkpoint <runId>                                                    save a checkpoint now (after a step in progress)
-  plot <runId> [--store DIR] [--out FILE.png]                           reward, loss, logprob mismatch, throughput curves
-  eval <checkpointDir> <recipeDir> [--prompts N] [--samples N]        held-out evaluation of a checkpoint (greedy, pass@1, pass@n)
-${SCHEDULE_USAGE}
-live settings: ${Object.keys(LIVE_SETTINGS).join(', ')}
-environment: MOLT_TEMPORAL_ADDRESS (default localhost:7233), MOLT_TEMPORAL_UI (default http://localhost:8233)`;
-
-interface Temporal { client: Client; connection: Connection; uiUrl: string }
-
-async function connect(address = process.env.MOLT_TEMPORAL_ADDRESS ?? 'localhost:7233', uiUrl = process.env.MOLT_TEMPORAL_UI ?? 'http://localhost:8233'): Promise<Temporal> {
-  try {
-    const connection = await Connection.connect({ address });
-    return { client: new Client({ connection }), connection, uiUrl };
-  } catch (err) {
-    throw new Error(`cannot reach Temporal at ${address} (set MOLT_TEMPORAL_ADDRESS): ${(err as Error).message}`);
-  }
-}
-
-// `<recipeDir> --run-id ID --follow --algo.lr 1e-6 --pool.inflight=8`
-function parseArgs(argv: string[]) {
-  const positional: string[] = [];
-  const overrides: Record<string, string> = {};
-  let runId: string | undefined;
-  let followRun = false;
-  for (let i = 0; i < argv.length; i++) {
-    const arg = argv[i];
-    if (!arg.startsWith('--')) { positional.push(arg); continue; }
-    const eq = arg.indexOf('=');
-    const key = eq < 0 ? arg.slice(2) : arg.slice(2, eq);
-    if (key === 'follow') { followRun = true; continue; }
-    const value = eq < 0 ? argv[++i] : arg.slice(eq + 1);
-    if (value === undefined) throw new UsageError(`--${key}: missing value`);
-    if (key === 'run-id') runId = value; else overrides[key] = value;
-  }
-  if (runId !== undefined && !/^[A-Za-z0-9][A-Za-z0-9._-]*$/.test(runId)) {
-    throw new UsageError(`--run-id: "${runId}" must be letters, digits, '.', '_' or '-' (it names a directory)`);
-  }
-  return { positional, overrides, runId, followRun };
-}
 
 function defaultRunId(config: RecipeConfig): string {
   const stamp = new Date().toISOString().replace(/[-:]/g, '').replace('T', '-').slice(0, 15); // 20260101-120000
   return `${config.name}-${stamp}`;
 }
 
-async function startRun(temporal: Temporal, recipeDir: string, config: RecipeConfig, runId: string, followRun: boolean): Promise<TrainRunSummary | null> {
+interface StartOptions { runId?: string; follow?: boolean; verbose?: boolean; printConfig?: boolean; dryRun?: boolean }
+
+// The recipe with its overrides, and its agent module loaded and checked here, so that a bad
+// path or a module without a valid AgentRunner is an error now, not a run that never trains.
+async function resolveRecipe(recipeDir: string, overrides: Record<string, string>): Promise<RecipeConfig> {
+  const config = loadRecipe(recipeDir, overrides);
+  try {
+    await loadAgentRunner(path.resolve(recipeDir, config.agent));
+  } catch (err) {
+    throw new RecipeError(`recipe ${recipeDir}: ${(err as Error).message}`);
+  }
+  return config;
+}
+
+async function startRun(temporal: Temporal, recipeDir: string, config: RecipeConfig, runId: string, followRun: boolean) {
   const workflowId = runWorkflowId(runId);
   let handle: WorkflowHandle<typeof trainRun>;
   try {
@@ -75,15 +51,27 @@ async function startRun(temporal: Temporal, recipeDir: string, config: RecipeCon
       workflowIdReusePolicy: 'REJECT_DUPLICATE', // a run id names its store directory and its steps at the actor
     });
   } catch (err) {
-    if (err instanceof WorkflowExecutionAlreadyStartedError) throw new UsageError(`run ${workflowId} already exists; pick another --run-id`);
+    if (err instanceof WorkflowExecutionAlreadyStartedError) {
+      throw new UsageError(`run ${workflowId} already exists; pick another --run-id`);
+    }
     throw err;
   }
   console.log(`run ${runId} started (workflow ${workflowId})`);
   console.log(`Temporal UI: ${temporal.uiUrl}/namespaces/default/workflows/${workflowId}`);
-  if (!followRun) return null;
-  const summary = await follow(handle);
-  if (summary) console.log(describeSummary(summary));
-  return summary;
+  if (!followRun) return;
+  await follow(handle);
+  console.log(describeSummary(await runResult(handle)));
+}
+
+// The run's summary, or an error with the reason it failed, was terminated or timed out.
+async function runResult(handle: WorkflowHandle<typeof trainRun>): Promise<TrainRunSummary> {
+  try {
+    return await handle.result();
+  } catch (err) {
+    if (!(err instanceof WorkflowFailedError)) throw err;
+    const { status } = await handle.describe();
+    throw new Error(`run ${handle.workflowId} ended: ${status.name}: ${err.cause?.message ?? err.message}`);
+  }
 }
 
 function describeSummary(s: TrainRunSummary): string {
@@ -116,7 +104,8 @@ function rewardCurve(history: number[], width = 60): string {
 function describeProgress(p: Progress): string {
   return [
     `  state: ${p.state}, step ${p.step}/${p.totalSteps}, policy version ${p.version}`,
-    `  reward mean (last step): ${p.rewardMean?.toFixed(4) ?? '-'}, ${Math.round(p.tokensPerSecond)} tokens/s, elapsed ${formatSeconds(p.elapsedSeconds)}`,
+    `  reward mean (last step): ${p.rewardMean?.toFixed(4) ?? '-'}, ${Math.round(p.tokensPerSecond)} tokens/s, ` +
+      `elapsed ${formatSeconds(p.elapsedSeconds)}`,
     `  reward per step: ${rewardCurve(p.rewardHistory)}`,
     `  groups: ${p.inflight} running, ${p.ready} ready; dropped ${p.dropped.stale} stale, ${p.dropped.empty} empty`,
     `  ${p.paused ? 'PAUSED; ' : ''}settings: ${describeSettings(p.settings)}`,
@@ -124,12 +113,15 @@ function describeProgress(p: Progress): string {
   ].join('\n');
 }
 
-const describeSettings = (settings: Record<string, number>) => Object.entries(settings).map(([k, v]) => `${k}=${v}`).join(' ');
+const describeSettings = (settings: Record<string, number>) =>
+  Object.entries(settings).map(([k, v]) => `${k}=${v}`).join(' ');
 
 // Sends a control update to a running run; a rejected update (validator) is a UsageError.
 async function control<R>(runId: string, send: (handle: WorkflowHandle<typeof trainRun>) => Promise<R>): Promise<R> {
   const { handle, description } = await existingRun(await connect(), runId);
-  if (description.status.name !== 'RUNNING') throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
+  if (description.status.name !== 'RUNNING') {
+    throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
+  }
   try {
     return await send(handle);
   } catch (err) {
@@ -148,7 +140,8 @@ function parseSettings(overrides: Record<string, string>): Settings {
   return settings as Settings;
 }
 
-const printControl = (runId: string, s: ControlState) => console.log(`run ${runId}: ${s.paused ? 'paused' : 'training'}; ${describeSettings(s.settings)}`);
+const printControl = (runId: string, s: ControlState) =>
+  console.log(`run ${runId}: ${s.paused ? 'paused' : 'training'}; ${describeSettings(s.settings)}`);
 
 // A handle on an existing run, or RunNotFound.
 async function existingRun(temporal: Temporal, runId: string) {
@@ -166,119 +159,191 @@ function queryProgress(temporal: Temporal, handle: WorkflowHandle<typeof trainRu
   return temporal.connection.withDeadline(Date.now() + 5000, () => handle.query(progressQuery)).catch(() => null);
 }
 
-async function main(argv: string[]): Promise<void> {
-  const [command, ...rest] = argv;
-  const args = parseArgs(rest);
-  switch (command) {
-    case 'start':
-    case 'dev': {
-      const [recipeDir] = args.positional;
-      if (!recipeDir) throw new UsageError(`${command}: missing <recipeDir>\n${USAGE}`);
-      const config = loadRecipe(recipeDir, args.overrides);
-      const runId = args.runId ?? defaultRunId(config);
-      console.log(`recipe config:\n${JSON.stringify(config, null, 2)}`);
-      if (command === 'start') {
-        await startRun(await connect(), recipeDir, config, runId, args.followRun);
+const RUN_ID = /^[A-Za-z0-9][A-Za-z0-9._-]*$/;
+function checkRunId(runId: string | undefined): void {
+  if (runId !== undefined && !RUN_ID.test(runId)) {
+    throw new UsageError(`--run-id: "${runId}" must be letters, digits, '.', '_' or '-' (it names a directory)`);
+  }
+}
+
+// Recipe overrides (`--algo.lr 1e-4`) of the commands marked withOverrides, taken out of argv
+// before parsing, read by the actions. To any other command they are unknown options.
+const overrides: Record<string, string> = {};
+const takesOverrides = new Set<Command>();
+const withOverrides = (command: Command) => { takesOverrides.add(command); return command; };
+
+const program = new Command('molt-client')
+  .description('Train LLM agents with RL on Temporal: start, follow, inspect and steer runs.')
+  .addHelpText('after', `
+Environment: MOLT_TEMPORAL_ADDRESS (default localhost:7233), MOLT_TEMPORAL_UI (default http://localhost:8233).
+Run \`molt-client <command> --help\` for a command's options; \`start --help\` lists every recipe key.`)
+  .showHelpAfterError('(run with --help for usage)')
+  .exitOverride(); // inherited by the commands below: parse errors reach main, which exits 2
+
+for (const name of ['start', 'dev'] as const) {
+  withOverrides(program.command(name))
+    .description(name === 'start'
+      ? 'start a run of a recipe on the Temporal server (MOLT_TEMPORAL_ADDRESS)'
+      : 'start a local stack (Temporal dev server + UI, engines, actor, workers), run the recipe to its end, stop the stack')
+    .argument('<recipeDir>', 'folder with recipe.json and its agent module')
+    .option('--run-id <id>', 'name of the run (default <recipe name>-<date>-<time>); it names the store directory')
+    .option('--follow', name === 'start' ? 'draw a live progress bar until the run ends' : 'always on for dev')
+    .option('--print-config', 'print the resolved recipe config as JSON and start nothing')
+    .option('--dry-run', 'check the recipe and its agent module, print what would start, start nothing')
+    .option('-v, --verbose', 'print the resolved recipe config before starting')
+    .addHelpText('after', () => `\n${recipeKeysHelp()}`)
+    .action(async (recipeDir: string, opts: StartOptions) => {
+      checkRunId(opts.runId);
+      if (opts.printConfig) {
+        console.log(JSON.stringify(loadRecipe(recipeDir, overrides), null, 2));
         return;
       }
+      const config = await resolveRecipe(recipeDir, overrides);
+      const runId = opts.runId ?? defaultRunId(config);
+      if (opts.verbose || opts.dryRun) console.log(`recipe config:\n${JSON.stringify(config, null, 2)}`);
+      if (opts.dryRun) {
+        console.log(`dry run: run ${runId} of ${path.resolve(recipeDir)} (agent ${config.agent} loads); nothing started`);
+        return;
+      }
+      if (name === 'start') return startRun(await connect(), recipeDir, config, runId, !!opts.follow);
       // dev: a local stack (Temporal dev server + UI, engines, actor, worker) for this one run.
       const { startStack } = await import('../infra/stack');
-      const stack = await startStack({ modelDir: resolveModelDir(config.model), engines: config.engines.count, actorWorldSize: config.actor.world_size });
+      const stack = await startStack({
+        modelDir: resolveModelDir(config.model), engines: config.engines.count, actorWorldSize: config.actor.world_size,
+      });
       process.once('SIGINT', () => {
         console.error('\nstopping the stack (the run stays in the stack\'s Temporal database)');
         stack.stop().finally(() => process.exit(130));
       });
       try {
-        const uiUrl = stack.uiUrl ?? 'http://localhost:8233';
-        await startRun(await connect(stack.temporalAddress, uiUrl), recipeDir, config, runId, true);
+        const temporal = await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233');
+        await startRun(temporal, recipeDir, config, runId, true);
       } finally {
         await stack.stop();
       }
-      return;
+    });
+}
+
+program.command('status')
+  .description('state, progress, reward curve and last metrics of a run; the reason if it failed (exit 1)')
+  .argument('<runId>')
+  .action(async (runId: string) => {
+    const temporal = await connect();
+    const { handle, description } = await existingRun(temporal, runId);
+    const status = description.status.name;
+    console.log(`run ${runId}: ${status}, started ${description.startTime.toISOString()}`);
+    if (status === 'RUNNING') {
+      const progress = await queryProgress(temporal, handle);
+      console.log(progress ? describeProgress(progress) : '  progress unavailable (is a molt-control worker running?)');
+    } else if (status !== 'CONTINUED_AS_NEW') {
+      console.log(describeSummary(await runResult(handle))); // throws the reason of a run that did not complete
     }
-    case 'status': {
-      const [runId] = args.positional;
-      if (!runId) throw new UsageError(`status: missing <runId>\n${USAGE}`);
-      const temporal = await connect();
-      const { handle, description } = await existingRun(temporal, runId);
-      console.log(`run ${runId}: ${description.status.name}, started ${description.startTime.toISOString()}`);
-      if (description.status.name === 'COMPLETED') {
-        console.log(describeSummary(await handle.result()));
-      } else if (description.status.name === 'RUNNING') {
-        const progress = await queryProgress(temporal, handle);
-        console.log(progress ? describeProgress(progress) : '  progress unavailable (is a molt-control worker running?)');
+  });
+
+program.command('list')
+  .description('all runs, with step and reward of the running ones')
+  .action(async () => {
+    const temporal = await connect();
+    let count = 0;
+    for await (const run of temporal.client.workflow.list({ query: `WorkflowType = 'trainRun'` })) {
+      if (run.status.name === 'CONTINUED_AS_NEW') continue; // earlier links of a chain; the latest is listed
+      count++;
+      let line = `${run.workflowId.replace(/^molt-/, '')}\t${run.status.name}\tstarted ${run.startTime.toISOString()}`;
+      if (run.status.name === 'RUNNING') {
+        const p = await queryProgress(temporal, temporal.client.workflow.getHandle<typeof trainRun>(run.workflowId));
+        if (p) line += `\tstep ${p.step}/${p.totalSteps}\treward ${p.rewardMean?.toFixed(3) ?? '-'}`;
       }
-      return;
+      console.log(line);
     }
-    case 'list': {
-      const temporal = await connect();
-      let count = 0;
-      for await (const run of temporal.client.workflow.list({ query: `WorkflowType = 'trainRun'` })) {
-        if (run.status.name === 'CONTINUED_AS_NEW') continue; // earlier links of a chain; the latest is listed
-        count++;
-        let line = `${run.workflowId.replace(/^molt-/, '')}\t${run.status.name}\tstarted ${run.startTime.toISOString()}`;
-        if (run.status.name === 'RUNNING') {
-          const p = await queryProgress(temporal, temporal.client.workflow.getHandle<typeof trainRun>(run.workflowId));
-          if (p) line += `\tstep ${p.step}/${p.totalSteps}\treward ${p.rewardMean?.toFixed(3) ?? '-'}`;
-        }
-        console.log(line);
-      }
-      if (count === 0) console.log('no runs');
-      return;
+    if (count === 0) console.log('no runs');
+  });
+
+program.command('cancel')
+  .description('graceful stop: the run finishes its current step, checkpoints and stops')
+  .argument('<runId>')
+  .action(async (runId: string) => {
+    const { handle, description } = await existingRun(await connect(), runId);
+    if (description.status.name !== 'RUNNING') {
+      throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
     }
-    case 'cancel': {
-      const [runId] = args.positional;
-      if (!runId) throw new UsageError(`cancel: missing <runId>\n${USAGE}`);
-      const { handle, description } = await existingRun(await connect(), runId);
-      if (description.status.name !== 'RUNNING') throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
-      await handle.cancel();
-      console.log(`stop requested for run ${runId}: it finishes its current step, checkpoints and stops`);
-      return;
-    }
-    case 'pause':
-    case 'resume':
-    case 'set':
-    case 'checkpoint': {
-      const [runId] = args.positional;
-      if (!runId) throw new UsageError(`${command}: missing <runId>\n${USAGE}`);
-      if (command === 'checkpoint') {
-        const saved = await control(runId, (h) => h.executeUpdate(checkpointUpdate));
-        console.log(`run ${runId}: checkpoint of step ${saved.step} at ${saved.path}`);
-        return;
-      }
-      if (command === 'set' && Object.keys(args.overrides).length === 0) throw new UsageError(`set: nothing to set, e.g. --algo.lr 1e-4\n${USAGE}`);
-      const update = command === 'pause' ? pauseUpdate : command === 'resume' ? resumeUpdate : null;
-      const state = await control(runId, (h) => (update ? h.executeUpdate(update) : h.executeUpdate(setUpdate, { args: [parseSettings(args.overrides)] })));
-      printControl(runId, state);
-      return;
-    }
-    case 'plot': {
-      const [runId] = args.positional;
-      if (!runId) throw new UsageError(`plot: missing <runId>\n${USAGE}`);
-      const { png, tensorboard } = await plotRun(runId, args.overrides.store, args.overrides.out);
-      console.log(`wrote ${png}\nTensorBoard events in ${tensorboard}`);
-      return;
-    }
-    case 'eval': {
-      const [checkpointDir, recipeDir] = args.positional;
-      if (!checkpointDir || !recipeDir) throw new UsageError(`eval: missing <checkpointDir> <recipeDir>\n${USAGE}`);
-      const r = await evalCheckpoint(checkpointDir, recipeDir, args.overrides);
-      console.log(`${checkpointDir}: ${r.prompts} held-out prompts, ${r.samples} samples each`);
-      console.log(`  greedy reward ${r.greedy_reward?.toFixed(4) ?? '-'}, sample reward mean ${r.sample_reward_mean.toFixed(4)}`);
-      console.log(`  pass@1 ${r['pass@1'].toFixed(4)}, pass@${r.samples} ${r['pass@n'].toFixed(4)} (a sample passes when its reward >= 1), ${r.failed} episodes failed`);
-      return;
-    }
-    case 'schedule':
-      await scheduleCommand(await connect(), args);
-      return;
-    default:
-      throw new UsageError(command ? `unknown command "${command}"\n${USAGE}` : USAGE);
+    await handle.cancel();
+    console.log(`stop requested for run ${runId}: it finishes its current step, checkpoints and stops`);
+  });
+
+program.command('pause')
+  .description('hold training: no new step starts (rollouts fill one batch); `unpause` goes on')
+  .argument('<runId>')
+  .action(async (runId: string) => printControl(runId, await control(runId, (h) => h.executeUpdate(pauseUpdate))));
+
+program.command('unpause')
+  .description('release a paused run: training goes on')
+  .argument('<runId>')
+  .action(async (runId: string) => printControl(runId, await control(runId, (h) => h.executeUpdate(resumeUpdate))));
+
+withOverrides(program.command('set'))
+  .description('change live settings of a running run from its next step, e.g. set <runId> --algo.lr 1e-4')
+  .argument('<runId>')
+  .addHelpText('after', `\nLive settings: ${Object.keys(LIVE_SETTINGS).map((k) => `--${k}`).join(', ')}`)
+  .action(async (runId: string) => {
+    if (Object.keys(overrides).length === 0) throw new UsageError(`set: nothing to set, e.g. --algo.lr 1e-4`);
+    const settings = parseSettings(overrides);
+    printControl(runId, await control(runId, (h) => h.executeUpdate(setUpdate, { args: [settings] })));
+  });
+
+program.command('checkpoint')
+  .description('save a checkpoint now (after a step in progress)')
+  .argument('<runId>')
+  .action(async (runId: string) => {
+    const saved = await control(runId, (h) => h.executeUpdate(checkpointUpdate));
+    console.log(`run ${runId}: checkpoint of step ${saved.step} at ${saved.path}`);
+  });
+
+program.command('plot')
+  .description('reward, loss, logprob mismatch and throughput curves of a run (PNG), and TensorBoard events')
+  .argument('<runId>')
+  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .option('--out <file.png>', 'where to write the PNG (default <run>/metrics.png)')
+  .action(async (runId: string, opts: { store?: string; out?: string }) => {
+    const { png, tensorboard } = await plotRun(runId, opts.store, opts.out);
+    console.log(`wrote ${png}\nTensorBoard events in ${tensorboard}`);
+  });
+
+withOverrides(program.command('eval'))
+  .description('held-out evaluation of a checkpoint on a local engine: greedy reward, pass@1, pass@n')
+  .argument('<checkpointDir>')
+  .argument('<recipeDir>')
+  .option('--prompts <n>', 'held-out prompts (eval.prompts)')
+  .option('--samples <n>', 'samples per prompt (eval.samples)')
+  .action(async (checkpointDir: string, recipeDir: string, opts: { prompts?: string; samples?: string }) => {
+    const r = await evalCheckpoint(checkpointDir, recipeDir, {
+      ...overrides, ...(opts.prompts !== undefined ? { 'eval.prompts': opts.prompts } : {}),
+      ...(opts.samples !== undefined ? { 'eval.samples': opts.samples } : {}),
+    });
+    console.log(`${checkpointDir}: ${r.prompts} held-out prompts, ${r.samples} samples each`);
+    console.log(`  greedy reward ${r.greedy_reward?.toFixed(4) ?? '-'}, ` +
+      `sample reward mean ${r.sample_reward_mean.toFixed(4)}`);
+    console.log(`  pass@1 ${r['pass@1'].toFixed(4)}, pass@${r.samples} ${r['pass@n'].toFixed(4)} ` +
+      `(a sample passes when its reward >= 1), ${r.failed} episodes failed`);
+  });
+
+addScheduleCommands(program, { overrides, withOverrides });
+
+async function main(args: string[]): Promise<void> {
+  let command = program;
+  let depth = 0; // the words that name the command: `start`, `schedule create`
+  for (let sub; (sub = command.commands.find((c) => c.name() === args[depth])); depth++) command = sub;
+  if (takesOverrides.has(command)) {
+    const taken = takeRecipeOverrides(args.slice(depth));
+    Object.assign(overrides, taken.overrides);
+    args = [...args.slice(0, depth), ...taken.argv];
   }
+  await program.parseAsync(args, { from: 'user' });
 }
 
 main(process.argv.slice(2)).then(
   () => process.exit(0),
   (err) => {
+    if (err instanceof CommanderError) process.exit(err.exitCode === 0 ? 0 : 2); // commander printed it
     console.error(err instanceof Error ? err.message : String(err));
     process.exit(err instanceof RecipeError || err instanceof UsageError ? 2 : 1);
   },

@@ -1,9 +1,10 @@
-// `--follow`: polls the run's progress query once a second and draws a live bar until the run ends.
+// `--follow`: polls the run's progress query once a second and draws a live bar until the run ends
+// (the caller then reads its result: the summary, or the reason it failed).
 import { SingleBar } from 'cli-progress';
 import type { WorkflowHandle } from '@temporalio/client';
-import { progressQuery, type Progress, type trainRun, type TrainRunSummary } from '../workflows/train-run';
+import { progressQuery, type Progress, type trainRun } from '../workflows/train-run';
 
-export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<TrainRunSummary | null> {
+export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<void> {
   const bar = new SingleBar({
     format: 'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready | ETA {etaText} | {state}',
     hideCursor: true, noTTYOutput: true, notTTYSchedule: 10_000,
@@ -23,12 +24,6 @@ export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<T
   } finally {
     if (started) bar.stop();
   }
-  const { status } = await handle.describe();
-  if (status.name !== 'COMPLETED') {
-    console.error(`run ${handle.workflowId} ended: ${status.name}`);
-    return null;
-  }
-  return handle.result();
 }
 
 function barPayload(p: Progress) {

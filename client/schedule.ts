@@ -1,66 +1,103 @@
 // `molt-client schedule ...`: recipe runs on a Temporal Schedule. Each firing starts workflow
 // `molt-<scheduleId>-<time>`, and that id names the run (store directory, actor steps).
-import { ScheduleNotFoundError, ScheduleOverlapPolicy, type Client, type Connection, type ScheduleDescription, type ScheduleSpec } from '@temporalio/client';
+import {
+  ScheduleNotFoundError, ScheduleOverlapPolicy, type ScheduleDescription, type ScheduleHandle, type ScheduleSpec,
+} from '@temporalio/client';
+import type { Command } from 'commander';
 import { loadRecipe } from '../agents/recipe';
 import { runWorkflowId } from '../workflows/train-run';
+import { connect, recipeKeysHelp } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { hasSearchAttributes, runStartOptions } from './start-options';
 
-export const SCHEDULE_USAGE = `  schedule create <id> <recipeDir> (--cron "0 2 * * *" | --every 1h) [--overlap skip] [--note TEXT] [--dotted.key value ...]
-  schedule list | describe <id> | pause <id> [--note TEXT] | unpause <id> | trigger <id> | delete <id>
-      overlap (a firing while the last run still runs): ${Object.keys(ScheduleOverlapPolicy).filter((k) => k !== 'UNSPECIFIED').map((k) => k.toLowerCase()).join(', ')}`;
+interface CreateOptions { cron?: string; every?: string; overlap: string; note?: string }
+const OVERLAP_POLICIES = Object.keys(ScheduleOverlapPolicy).filter((k) => k !== 'UNSPECIFIED').map((k) => k.toLowerCase());
 
-interface Args { positional: string[]; overrides: Record<string, string> }
+// `schedule create|list|describe|pause|unpause|trigger|delete`. `withOverrides` marks a command
+// that takes recipe overrides (cli.ts collects them into `overrides`).
+export function addScheduleCommands(program: Command, { overrides, withOverrides }: {
+  overrides: Record<string, string>; withOverrides: (command: Command) => Command;
+}): void {
+  const schedule = program.command('schedule').description('recipe runs on a Temporal Schedule (cron or interval)');
+  withOverrides(schedule.command('create'))
+    .description('a schedule whose every firing starts a run molt-<id>-<time> of the recipe')
+    .argument('<id>').argument('<recipeDir>')
+    .option('--cron <expr>', 'cron expression, e.g. "0 2 * * *"')
+    .option('--every <interval>', 'interval, e.g. 1h, 30m')
+    .option('--overlap <policy>', `a firing while the last run still runs: ${OVERLAP_POLICIES.join(', ')}`, 'skip')
+    .option('--note <text>', 'a note on the schedule')
+    .addHelpText('after', () => `\n${recipeKeysHelp()}`)
+    .action(async (id: string, recipeDir: string, opts: CreateOptions) => {
+      const { cron, every, overlap, note } = opts;
+      if ((cron === undefined) === (every === undefined)) {
+        throw new UsageError('schedule create: give exactly one of --cron "<expr>" or --every <interval> (e.g. 1h, 30m)');
+      }
+      if (!OVERLAP_POLICIES.includes(overlap)) {
+        throw new UsageError(`--overlap: "${overlap}" is not a policy (${OVERLAP_POLICIES.join(', ')})`);
+      }
+      const policy = overlap.toUpperCase() as ScheduleOverlapPolicy;
+      const config = loadRecipe(recipeDir, overrides);
+      const spec: ScheduleSpec = cron !== undefined
+        ? { cronExpressions: [cron] } : { intervals: [{ every: every as never }] };
+      const { client, connection } = await connect();
+      const start = runStartOptions(recipeDir, config, undefined, await hasSearchAttributes(connection));
+      try {
+        await client.schedule.create({
+          // the server turns cron into calendars: the memo keeps the words
+          scheduleId: id, spec, memo: { ...start.memo, spec: describeSpec(spec) },
+          policies: { overlap: policy },
+          state: note ? { note } : undefined,
+          action: { type: 'startWorkflow', workflowType: 'trainRun', workflowId: runWorkflowId(id), ...start },
+        });
+      } catch (err) {
+        throw new UsageError(`schedule create ${id}: ${(err as Error).message}`); // e.g. a bad cron expression or a taken id
+      }
+      console.log(`schedule ${id} created: ${describeSpec(spec)}, overlap ${overlap}; runs are molt-${id}-<time>`);
+    });
 
-export async function scheduleCommand({ client, connection }: { client: Client; connection: Connection }, args: Args): Promise<void> {
-  const [sub, id, recipeDir] = args.positional;
-  const { cron, every, overlap, note, ...recipeOverrides } = args.overrides;
-  if (sub === 'list') {
+  schedule.command('list').description('all schedules, with their next firing').action(async () => {
     let count = 0;
-    for await (const s of client.schedule.list()) {
+    for await (const s of (await connect()).client.schedule.list()) {
       count++;
       const next = s.info.nextActionTimes[0]?.toISOString() ?? '-';
-      console.log(`${s.scheduleId}\t${s.state.paused ? 'PAUSED' : 'ACTIVE'}\t${s.memo?.spec ?? describeSpec(s.spec)}\tnext ${next}\t${s.memo?.recipe ?? ''}`);
+      const spec = s.memo?.spec ?? describeSpec(s.spec);
+      console.log(`${s.scheduleId}\t${s.state.paused ? 'PAUSED' : 'ACTIVE'}\t${spec}\tnext ${next}\t${s.memo?.recipe ?? ''}`);
     }
     if (count === 0) console.log('no schedules');
-    return;
-  }
-  if (!sub || !id) throw new UsageError(`schedule: expected a subcommand and a schedule id\n${SCHEDULE_USAGE}`);
-  if (sub === 'create') {
-    if (!recipeDir) throw new UsageError(`schedule create: missing <recipeDir>\n${SCHEDULE_USAGE}`);
-    if ((cron === undefined) === (every === undefined)) throw new UsageError('schedule create: give exactly one of --cron "<expr>" or --every <interval> (e.g. 1h, 30m)');
-    const policy = (overlap ?? 'skip').toUpperCase();
-    if (!(policy in ScheduleOverlapPolicy) || policy === 'UNSPECIFIED') throw new UsageError(`--overlap: "${overlap}" is not a policy\n${SCHEDULE_USAGE}`);
-    const config = loadRecipe(recipeDir, recipeOverrides);
-    const spec: ScheduleSpec = cron !== undefined ? { cronExpressions: [cron] } : { intervals: [{ every: every as never }] };
-    const start = runStartOptions(recipeDir, config, undefined, await hasSearchAttributes(connection));
-    try {
-      await client.schedule.create({
-        scheduleId: id, spec, memo: { ...start.memo, spec: describeSpec(spec) }, // the server turns cron into calendars: keep the words
-        policies: { overlap: policy as ScheduleOverlapPolicy },
-        state: note ? { note } : undefined,
-        action: { type: 'startWorkflow', workflowType: 'trainRun', workflowId: runWorkflowId(id), ...start },
-      });
-    } catch (err) {
-      throw new UsageError(`schedule create ${id}: ${(err as Error).message}`); // e.g. a bad cron expression or a taken id
-    }
-    console.log(`schedule ${id} created: ${describeSpec(spec)}, overlap ${policy.toLowerCase()}; runs are molt-${id}-<time>`);
-    return;
-  }
-  const handle = client.schedule.getHandle(id);
-  try {
-    switch (sub) {
-      case 'describe': console.log(describeSchedule(await handle.describe())); return;
-      case 'pause': await handle.pause(note); console.log(`schedule ${id} paused`); return;
-      case 'unpause': await handle.unpause(note); console.log(`schedule ${id} unpaused`); return;
-      case 'trigger': await handle.trigger(); console.log(`schedule ${id} triggered`); return;
-      case 'delete': await handle.delete(); console.log(`schedule ${id} deleted`); return;
-      default: throw new UsageError(`schedule: unknown subcommand "${sub}"\n${SCHEDULE_USAGE}`);
-    }
-  } catch (err) {
-    if (err instanceof ScheduleNotFoundError) throw new RunNotFound(`no schedule ${id}`);
-    throw err;
-  }
+  });
+
+  // The commands on one schedule; a schedule that does not exist is RunNotFound (exit 1).
+  type OnSchedule = (handle: ScheduleHandle, id: string, note?: string) => Promise<void>;
+  const onSchedule = (name: string, description: string, run: OnSchedule) => {
+    const command = schedule.command(name).description(description).argument('<id>');
+    if (name === 'pause' || name === 'unpause') command.option('--note <text>', 'a note on the schedule');
+    command.action(async (id: string, opts: { note?: string }) => {
+      try {
+        await run((await connect()).client.schedule.getHandle(id), id, opts.note);
+      } catch (err) {
+        if (err instanceof ScheduleNotFoundError) throw new RunNotFound(`no schedule ${id}`);
+        throw err;
+      }
+    });
+  };
+  onSchedule('describe', 'spec, policy, recipe, next firings and recent runs',
+    async (h) => console.log(describeSchedule(await h.describe())));
+  onSchedule('pause', 'no firings until unpaused', async (h, id, note) => {
+    await h.pause(note);
+    console.log(`schedule ${id} paused`);
+  });
+  onSchedule('unpause', 'fire again', async (h, id, note) => {
+    await h.unpause(note);
+    console.log(`schedule ${id} unpaused`);
+  });
+  onSchedule('trigger', 'fire now (the overlap policy applies)', async (h, id) => {
+    await h.trigger();
+    console.log(`schedule ${id} triggered`);
+  });
+  onSchedule('delete', 'delete the schedule (its runs go on)', async (h, id) => {
+    await h.delete();
+    console.log(`schedule ${id} deleted`);
+  });
 }
 
 function describeSpec(spec: ScheduleSpec | ScheduleDescription['spec'] | undefined): string {
@@ -72,12 +109,14 @@ function describeSpec(spec: ScheduleSpec | ScheduleDescription['spec'] | undefin
 }
 
 function describeSchedule(d: ScheduleDescription): string {
-  const recent = d.info.recentActions.map((a) => `    ${a.takenAt.toISOString()} -> ${a.action.type === 'startWorkflow' ? a.action.workflow.workflowId : a.action.type}`);
+  const recent = d.info.recentActions.map((a) =>
+    `    ${a.takenAt.toISOString()} -> ${a.action.type === 'startWorkflow' ? a.action.workflow.workflowId : a.action.type}`);
   return [
     `schedule ${d.scheduleId}: ${d.state.paused ? 'PAUSED' : 'ACTIVE'}${d.state.note ? ` (${d.state.note})` : ''}`,
     `  spec: ${d.memo?.spec ?? describeSpec(d.spec)}, overlap ${d.policies.overlap?.toLowerCase() ?? 'skip'}`,
     `  recipe: ${d.memo?.recipe ?? '-'} (${d.memo?.recipeDir ?? '-'})`,
-    `  runs started: ${d.info.numActionsTaken}, running now: ${d.info.runningActions.map((a) => a.workflow.workflowId).join(', ') || 'none'}`,
+    `  runs started: ${d.info.numActionsTaken}, ` +
+      `running now: ${d.info.runningActions.map((a) => a.workflow.workflowId).join(', ') || 'none'}`,
     `  next: ${d.info.nextActionTimes.slice(0, 3).map((t) => t.toISOString()).join(', ') || '-'}`,
     `  recent runs:\n${recent.join('\n') || '    none'}`,
   ].join('\n');

@@ -88,6 +88,7 @@ export interface TrainRunSummary {
 // the retry resumes from the heartbeated manifest. Agent errors are counted per episode inside the
 // activity, so an activity failure is infrastructure: retry it until it works, unless it says it
 // never will (non-retryable).
+const FATAL_GROUP_FAILURES = ['FailureBudgetExceeded', 'AgentModuleError']; // these stop the run
 const { rolloutGroup } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.rollout,
   startToCloseTimeout: '2 hours',
@@ -153,13 +154,14 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     } catch (err) {
       if (isCancellation(err)) return; // the run has ended
       // A group that cannot run still frees its slot: it is dropped as empty. One whose agent
-      // failed more often than the recipe allows also stops the run.
+      // failed more often than the recipe allows, or whose agent module does not load (every
+      // group would fail the same way, thousands a minute), also stops the run.
       const cause = err instanceof ActivityFailure ? err.cause : err;
       log.error('rollout group failed for good', { groupIndex, error: String(cause) });
-      const overBudget = cause instanceof ApplicationFailure && cause.type === 'FailureBudgetExceeded';
+      const stopsRun = cause instanceof ApplicationFailure && FATAL_GROUP_FAILURES.includes(cause.type ?? '');
       result = {
         groupIndex, refs: [], rewards: [], failed: config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
-        ...(overBudget ? { fatal: cause.message } : {}),
+        ...(stopsRun ? { fatal: cause.message } : {}),
       };
     }
     inflight.delete(groupIndex);

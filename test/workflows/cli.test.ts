@@ -3,7 +3,9 @@
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { Context } from '@temporalio/activity';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
+import { createActivities } from '../../activities';
 import { readMetrics, recordMetrics, type RecordMetricsInput } from '../../activities/metrics';
 import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { startTemporal, withWorkers } from '../helpers/temporal';
@@ -20,6 +22,12 @@ beforeAll(async () => {
     name: 'cli', agent: 'agent.ts', model: 'tiny', group_size: 2, pool: { inflight: 2 }, batch: { groups: 1 },
     train: { steps: 50 }, checkpoint: { every: 10 }, sampling: { max_tokens: 4 }, algo: { lr: 1e-5 },
   }));
+  // `start` loads the agent module before it starts a run. throwing.ts loads but fails every episode.
+  fs.writeFileSync(path.join(recipeDir, 'agent.ts'), `export const AgentRunner = { kind: 'env', createEnv: () => ({
+    reset: () => ({ observation: 'x' }), step: () => ({ reward: 1, terminated: true, truncated: false }) }) };`);
+  fs.writeFileSync(path.join(recipeDir, 'throwing.ts'),
+    `export const AgentRunner = { kind: 'env', createEnv: () => { throw new Error('the env is broken'); } };`);
+  fs.writeFileSync(path.join(recipeDir, 'no-runner.ts'), `export const Agent = {};`);
 });
 afterAll(async () => {
   await env?.teardown();
@@ -38,7 +46,8 @@ const activities = {
   async trainStep(input: TrainStepInput) {
     trainedSteps.push(input.step);
     trainCalls.push(input);
-    while (holdTraining) await new Promise((r) => setTimeout(r, 20));
+    // held like a real actor call: heartbeating, so a long hold is not taken for a lost worker
+    while (holdTraining) { Context.current().heartbeat(); await new Promise((r) => setTimeout(r, 20)); }
     return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.25 } };
   },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
@@ -53,7 +62,7 @@ test('start with a bad override exits 2 and names the field', async () => {
 });
 
 test('commands on an unknown run or schedule exit 1 with a clear message', async () => {
-  for (const command of ['status', 'cancel', 'pause', 'resume', 'checkpoint']) {
+  for (const command of ['status', 'cancel', 'pause', 'unpause', 'checkpoint']) {
     const { code, stderr } = await cli(command, 'xyz');
     expect(code).toBe(1);
     expect(stderr.trim()).toBe('no run molt-xyz');
@@ -66,7 +75,7 @@ test('commands on an unknown run or schedule exit 1 with a clear message', async
 
 test('start --follow runs to the end; status and list show the run; a second start with the same id is refused', async () => {
   await withWorkers(env, activities, async () => {
-    const started = await cli('start', recipeDir, '--run-id', 'cli1', '--follow', '--train.steps', '3', '--algo.lr=2e-5');
+    const started = await cli('start', recipeDir, '--run-id', 'cli1', '--follow', '--train.steps', '3', '--algo.lr=2e-5', '-v');
     expect(started.code).toBe(0);
     expect(started.stdout).toContain('"lr": 0.00002');
     expect(started.stdout).toContain('http://localhost:8233/namespaces/default/workflows/molt-cli1');
@@ -91,6 +100,7 @@ test('cancel stops a running run gracefully', async () => {
   await withWorkers(env, activities, async () => {
     const started = await cli('start', recipeDir, '--run-id', 'cli2');
     expect(started.code).toBe(0);
+    expect(started.stdout).not.toContain('recipe config'); // the resolved config is shown with -v only
     const cancelled = await cli('cancel', 'cli2');
     expect(cancelled.code).toBe(0);
     const handle = env.client.workflow.getHandle(`molt-cli2`);
@@ -118,12 +128,86 @@ test('pause, set, checkpoint and resume a running run; metrics.jsonl has one lin
     const ckpt = await cli('checkpoint', 'cli3'); // waits for step 1 to finish
     expect(ckpt.stdout).toContain('run cli3: checkpoint of step 1 at /ckpt/step-1');
     expect((await cli('status', 'cli3')).stdout).toContain('PAUSED; settings: algo.lr=0.0003');
-    expect((await cli('resume', 'cli3')).stdout).toContain('run cli3: training');
+    expect((await cli('unpause', 'cli3')).stdout).toContain('run cli3: training');
     expect((await handle.result()).steps).toBe(3);
     expect(trainCalls.filter((c) => c.runId === 'cli3').map((c) => c.algo.lr)).toEqual([1e-5, 3e-4, 3e-4]);
     expect((await readMetrics(storeRoot, 'cli3')).map((r) => r.step)).toEqual([1, 2, 3]);
     const plot = await cli('plot', 'cli3', '--store', storeRoot);
     expect(plot.stdout).toContain(`wrote ${storeRoot}/cli3/metrics.png`);
     expect(fs.readFileSync(path.join(storeRoot, 'cli3', 'metrics.png')).subarray(1, 4).toString()).toBe('PNG');
+  });
+});
+
+test('--help on the program and on commands; start --help lists every recipe key from the schema', async () => {
+  const top = await cli('--help');
+  expect(top.code).toBe(0);
+  for (const command of ['start', 'dev', 'status', 'list', 'cancel', 'pause', 'unpause', 'set', 'checkpoint', 'plot', 'eval', 'schedule']) {
+    expect(top.stdout).toMatch(new RegExp(`^  ${command} `, 'm'));
+  }
+  const start = await cli('start', '--help');
+  expect(start.code).toBe(0);
+  expect(start.stdout).toContain('--print-config');
+  expect(start.stdout).toMatch(/--pool\.inflight +integer > 0 <= 2000; required/);
+  expect(start.stdout).toMatch(/--algo\.lr +number > 0; default 0\.000001/);
+  expect(start.stdout).toMatch(/--staleness_mode +mask\|drop; default "mask"/);
+  expect(start.stdout).toMatch(/--agent +string; required; agent module path, relative to the recipe folder/);
+  const create = await cli('schedule', 'create', '--help');
+  expect([create.code, create.stdout]).toEqual([0, expect.stringContaining('--algo.rollout_correction.level')]);
+  const unknown = await cli('status', 'x', '--algo.lr', '1e-4'); // recipe overrides go with start, dev, set, eval, schedule create
+  expect([unknown.code, unknown.stderr]).toEqual([2, expect.stringContaining("unknown option '--algo.lr'")]);
+});
+
+test('--print-config and --dry-run resolve the config (overrides after other flags too) and start nothing', async () => {
+  const printed = await cli('start', recipeDir, '--run-id', 'dry1', '--print-config', '--seed', '7', '--pool.inflight=8', '--env.depth', '-1');
+  expect(printed.code).toBe(0);
+  const config = JSON.parse(printed.stdout);
+  expect([config.seed, config.pool.inflight, config.env, config.algo.lr]).toEqual([7, 8, { depth: -1 }, 1e-5]);
+  const dry = await cli('start', recipeDir, '--dry-run', '--run-id', 'dry1', '--algo.lr', '3e-5');
+  expect(dry.code).toBe(0);
+  expect(dry.stdout).toContain('"lr": 0.00003');
+  expect(dry.stdout).toContain('dry run: run dry1');
+  await expect(env.client.workflow.getHandle('molt-dry1').describe()).rejects.toThrow(/not found/);
+});
+
+test('start refuses an agent module that does not load or has no AgentRunner, before any run starts', async () => {
+  const began = Date.now();
+  const missing = await cli('start', recipeDir, '--run-id', 'badagent', '--agent', 'nope.ts');
+  console.log(`bad agent path -> CLI error: ${((Date.now() - began) / 1000).toFixed(1)} s`);
+  expect(missing.code).toBe(2);
+  expect(missing.stderr).toContain(`agent module ${recipeDir}/nope.ts could not be loaded`);
+  const noRunner = await cli('start', recipeDir, '--run-id', 'badagent', '--agent', 'no-runner.ts');
+  expect(noRunner.code).toBe(2);
+  expect(noRunner.stderr).toContain('does not export an AgentRunner object (exports: Agent)');
+  await expect(env.client.workflow.getHandle('molt-badagent').describe()).rejects.toThrow(/not found/);
+});
+
+// The real rolloutGroup activity (it fails before any engine call, so no engine is needed).
+const realRollout = () => ({
+  ...activities,
+  rolloutGroup: createActivities({ engines: ['http://127.0.0.1:9'], actor: '', token: 't', storeRoot }).rolloutGroup,
+});
+
+test('a run whose agent module does not load fails at once with the reason; status shows it and exits 1', async () => {
+  await withWorkers(env, realRollout(), async () => {
+    const began = Date.now();
+    const config = JSON.parse((await cli('start', recipeDir, '--print-config', '--agent', 'gone.ts')).stdout);
+    const handle = await env.client.workflow.start('trainRun', {
+      workflowId: 'molt-gone', taskQueue: 'molt-control', args: [{ runId: 'gone', recipeDir, config }],
+    }); // as a schedule's firing does: no CLI check before it
+    await expect(handle.result()).rejects.toThrow();
+    console.log(`agent module missing at the worker -> run failed: ${((Date.now() - began) / 1000).toFixed(1)} s`);
+    const status = await cli('status', 'gone');
+    expect(status.code).toBe(1);
+    expect(status.stdout).toContain('run gone: FAILED');
+    expect(status.stderr).toContain(`run molt-gone ended: FAILED: run gone failed after 0 steps: agent module ${recipeDir}/gone.ts could not be loaded`);
+  });
+});
+
+test('start --follow of a run whose agent throws prints the reason and exits 1', async () => {
+  await withWorkers(env, realRollout(), async () => {
+    const run = await cli('start', recipeDir, '--run-id', 'throws', '--agent', 'throwing.ts', '--follow');
+    expect(run.code).toBe(1);
+    expect(run.stderr).toContain('run molt-throws ended: FAILED: run throws failed after 0 steps: group ');
+    expect(run.stderr).toContain('createEnv: the env is broken');
   });
 });
