@@ -4,12 +4,19 @@
 import { promises as fs } from 'node:fs';
 import * as path from 'node:path';
 import { writeError } from './store';
-import type { ServiceEndpoints } from './types';
+import type { EpisodeSample, ServiceEndpoints } from './types';
 
-export interface RecordMetricsInput { runId: string; step: number; metrics: Record<string, number> }
+export interface RecordMetricsInput {
+  runId: string; step: number; metrics: Record<string, number>;
+  samples?: (EpisodeSample & { group: number })[]; // a few episodes of the step's batch, decoded
+}
 
 export function metricsFile(storeRoot: string, runId: string): string {
   return path.join(storeRoot, runId, 'metrics.jsonl');
+}
+
+export function samplesFile(storeRoot: string, runId: string): string {
+  return path.join(storeRoot, runId, 'samples.jsonl');
 }
 
 const TAIL_BYTES = 1 << 16; // more than one line
@@ -32,6 +39,10 @@ export async function recordMetrics(endpoints: ServiceEndpoints, input: RecordMe
       if (lastStep >= input.step) return { written: false }; // a retry: this step is already there
       await handle.appendFile(`${JSON.stringify({ step: input.step, time: new Date().toISOString(), ...input.metrics })}\n`);
       await handle.sync();
+      // Samples are for reading: written after the step's metrics line, so a retry never doubles them
+      // (a crash in between loses that step's samples, nothing else).
+      const lines = (input.samples ?? []).map((s) => JSON.stringify({ step: input.step, ...s })).join('\n');
+      if (lines) await fs.appendFile(samplesFile(endpoints.storeRoot, input.runId), `${lines}\n`);
       return { written: true };
     } finally {
       await handle.close();

@@ -19,7 +19,7 @@ import { tokenizerFor } from '../agents/tokenizer';
 import { EpisodeJournal, journalKey, readJournal } from './episode-journal';
 import { ServiceError, type GenerateRequest, type GenerateResponse } from './gpu-client';
 import { trajectoryKey, writeTrajectory, type Trajectory } from './store';
-import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
+import type { EpisodeSample, GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
 
 interface EpisodeRecord {
   refs: string[];
@@ -68,6 +68,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
 
   const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
   const runAgentEpisode = episodeRunner(runner, modulePath, config, task);
+  let sample: EpisodeSample | undefined; // the first episode this attempt finished
 
   const runEpisode = async (episode: number) => {
     const session = `${runId}/g${groupIndex}/e${episode}`;
@@ -95,6 +96,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
         minVersion: sampled.length ? Math.min(...sampled) : -1, maxVersion: sampled.length ? Math.max(...sampled) : -1,
       };
       delete manifest.partial![episode];
+      sample ??= describeEpisode(episode, result, config);
     } finally {
       router.endSession(session);
     }
@@ -136,6 +138,23 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     minVersion: versions.length ? Math.min(...versions.map((d) => d.minVersion)) : -1,
     maxVersion: versions.length ? Math.max(...versions.map((d) => d.maxVersion)) : -1,
     seconds: (Date.now() - started) / 1000,
+    ...(sample ? { sample } : {}),
+  };
+}
+
+// Decoded for reading only (never re-encoded): the prompt is what precedes the first sampled token
+// of the first segment, the completion what follows it in the last segment, tool results included.
+const SAMPLE_CHARS = 400;
+function describeEpisode(episode: number, result: Episode, config: RecipeConfig): EpisodeSample {
+  const tokenizer = tokenizerFor(resolveModelDir(config.model));
+  const firstSampled = (t: Trajectory) => Math.max(0, t.lossMask.findIndex((m) => m > 0));
+  const [first, last] = [result.segments[0], result.segments[result.segments.length - 1]];
+  const prompt = tokenizer.decode(first.tokens.slice(0, firstSampled(first)), true);
+  const completion = tokenizer.decode(last.tokens.slice(firstSampled(last)));
+  return {
+    episode, reward: result.reward,
+    prompt: prompt.length > SAMPLE_CHARS ? `...${prompt.slice(-SAMPLE_CHARS)}` : prompt,
+    completion: completion.length > SAMPLE_CHARS ? `${completion.slice(0, SAMPLE_CHARS)}...` : completion,
   };
 }
 

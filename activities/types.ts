@@ -19,7 +19,12 @@ export interface GroupResult {
   maxVersion: number;
   seconds: number;
   fatal?: string; // the group broke the recipe's failure budget: the run must stop (the message says why)
+  sample?: EpisodeSample; // one finished episode, decoded, for people to read (samples.jsonl)
 }
+
+// An episode as text: what the policy was asked and what it answered (with any tool turns), cut to
+// a few hundred characters each so that results stay small.
+export interface EpisodeSample { episode: number; reward: number; prompt: string; completion: string }
 
 export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }
 export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }

@@ -68,6 +68,10 @@ export const RecipeConfig = z.strictObject({
   // (limit.numPendingActivities.error), and above ~1,000 its CPU per group grows (bench/ item 4).
   pool: z.strictObject({ inflight: z.number().int().positive().max(2000, 'at most 2000: each group in flight is a pending activity of the run, and Temporal allows 2000 per workflow') }),
   batch: z.strictObject({ groups: z.number().int().positive() }),
+  // async: groups keep generating while a step trains (tokens may be a few versions stale). sync: the
+  // same activities with no overlap: generate one batch with the current weights, train, refit, repeat
+  // (the baseline of bench/learning.ts, and a mode for debugging).
+  loop: z.enum(['async', 'sync']).default('async'),
   // What to do with groups whose tokens exceed algo.max_staleness: mask those tokens, or drop the group.
   staleness_mode: z.enum(['mask', 'drop']).default('mask'),
   train: z.strictObject({ steps: z.number().int().positive() }),

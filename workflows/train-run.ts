@@ -62,6 +62,7 @@ export interface Carried {
   lastStepAt: number; // epoch ms when the last step ended (for the step's time split)
   tokensAtLastStep: number; // `tokens` then
 }
+const SAMPLES_PER_STEP = 4; // decoded episodes of each step's batch in <store>/<runId>/samples.jsonl
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {
@@ -136,6 +137,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   let state: Progress['state'] = 'running';
   let actorBusy = false; // see withActor
   let draining = false; // the history is full: no new groups; continue as new once none is in flight
+  let training = false; // a batch has been taken and its step (train, refit) is not done yet
   // Search attributes are upserted only when the client set MoltRecipe at start, i.e. when the
   // server has them registered: upserting an unknown attribute would fail every workflow task.
   const searchable = workflowInfo().typedSearchAttributes.get(MoltRecipe) !== undefined;
@@ -199,13 +201,19 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   return CancellationScope.nonCancellable(async () => {
     // The filler: start a group whenever a slot is free. It pauses while a full batch is already
     // waiting (training is the bottleneck then, and more groups would only be staler).
+    // In the sync loop it starts one batch's groups only when nothing is in flight or training, so
+    // every token is sampled by the weights the step trains (tops up groups dropped as empty).
     let filling = true;
+    const sync = () => config.loop === 'sync';
+    const freeSlots = () => sync()
+      ? (inflight.size === 0 && !training ? config.batch.groups - run.ready.length : 0)
+      : (run.ready.length < config.batch.groups ? config.pool.inflight - inflight.size : 0);
     const filler = (async () => {
       for (;;) {
-        await condition(() => !filling || (inflight.size < config.pool.inflight && run.ready.length < config.batch.groups));
+        await condition(() => !filling || freeSlots() > 0);
         if (!filling) return;
         // Start every free slot at once: one workflow task for all of them, not one each.
-        while (inflight.size < config.pool.inflight) void runGroup(run.nextGroupIndex++);
+        for (let n = freeSlots(); n > 0; n--) void runGroup(run.nextGroupIndex++);
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
@@ -234,6 +242,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         run.lastMetrics = result.metrics;
         if (step % config.checkpoint.every === 0) await saveCheckpoint();
       });
+      training = false;
       const rewards = batch.flatMap((g) => g.rewards);
       run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
       run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
@@ -244,8 +253,9 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       // Every eval.every steps the new policy is evaluated, also while the loop goes on; its eval/...
       // figures join this step's line, so the lines stay one per step, in step order.
       const evaluated = config.eval.every > 0 && step % config.eval.every === 0 ? evaluateStep(step) : Promise.resolve({});
+      const samples = batch.flatMap((g) => (g.sample ? [{ group: g.groupIndex, ...g.sample }] : [])).slice(0, SAMPLES_PER_STEP);
       metricsWritten = metricsWritten.then(async () => recordMetrics.executeWithOptions(
-        { summary: `metrics of step ${step}` }, [{ runId, step, metrics: { ...metrics, ...(await evaluated) } }]));
+        { summary: `metrics of step ${step}` }, [{ runId, step, metrics: { ...metrics, ...(await evaluated) }, samples }]));
       run.lastStepAt = Date.now();
       run.tokensAtLastStep = run.tokens;
       if (searchable) {
@@ -298,7 +308,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         if (dropStale && run.step - g.minVersion > maxStaleness) { run.dropped.stale++; return false; }
         return true;
       });
-      if (run.ready.length >= config.batch.groups && !run.paused) return run.ready.splice(0, config.batch.groups);
+      if (run.ready.length >= config.batch.groups && !run.paused) {
+        training = true;
+        return run.ready.splice(0, config.batch.groups);
+      }
       if (drained()) return null;
     }
   }

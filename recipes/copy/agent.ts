@@ -27,14 +27,18 @@ export function copyTarget(seed: number, letters: string, length: number): strin
   return out;
 }
 
+// env.reverse: the answer is the letters backwards (`reverse abc>` -> `cba`), a harder variant
+// (bench/learning.ts): the policy must attend to a different position for each answer token.
 function createEnv(settings: Record<string, unknown>): Env {
   const letters = String(settings.letters ?? 'abcd');
   const length = Number(settings.length ?? 3);
+  const reverse = settings.reverse === true;
   let target = '';
   return {
     reset(task: EnvTask) {
-      target = copyTarget(task.seed, letters, length);
-      return { observation: `copy ${target}>`, info: { target } };
+      const shown = copyTarget(task.seed, letters, length);
+      target = reverse ? [...shown].reverse().join('') : shown;
+      return { observation: `${reverse ? 'reverse' : 'copy'} ${shown}>`, info: { target } };
     },
     step(action) {
       return { reward: copyReward(action.text, target), terminated: true, truncated: false, info: { target } };

@@ -159,6 +159,25 @@ test('the pool stays full while a step trains; each step trains batch.groups dis
   });
 });
 
+test('sync loop: one batch of groups at a time, started only after the previous step is refit, so every token is on-policy', async () => {
+  const runId = 'sync';
+  const { s, activities } = fakeServices({ rolloutMs: 30, empty: (g) => g === 1 }); // group 1 is dropped as empty
+  await withWorkers(env, activities, async () => {
+    const config = { ...makeConfig({ inflight: 8, groups: 2, steps: 3 }), loop: 'sync' as const };
+    const summary = await (await start(runId, config)).result();
+    expect(summary).toMatchObject({ steps: 3, stopped: false });
+    // Never more than a batch in flight (pool.inflight is ignored), and none while a step trains.
+    const starts = s.log.filter((e) => e.event === 'start').map((e) => e.group);
+    expect(new Set(starts).size).toBe(starts.length);
+    expect(Math.max(...starts)).toBeLessThanOrEqual(6); // 3 steps x 2 groups + the one dropped as empty
+    // Every trained group ran entirely at the version its step trains from.
+    stepBatches(s).forEach((groups, i) => groups.forEach((g) => {
+      expect(s.results.get(g)).toMatchObject({ minVersion: i, maxVersion: i });
+    }));
+    expect(stepBatches(s).map((b) => [...b].sort())).toEqual([[0, 2], [3, 4], [5, 6]]); // empty group 1 topped up by 2
+  });
+});
+
 test('continue-as-new drains the pool: no group starts once the history is full; the run continues as new when none is in flight, carrying the results not trained', async () => {
   const runId = 'can';
   const { s, activities } = fakeServices({ hold: () => true });
