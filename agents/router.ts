@@ -2,6 +2,14 @@
 // engine (its prefix cache stays warm), new sessions go to the engine with the fewest requests in
 // flight, and a request that fails on one engine (unreachable or 5xx) is retried on another.
 //
+// A hung engine (stopped, deadlocked, swapping) keeps its connections open and never answers, so
+// every engine call has a deadline, and one that passes it fails over like a dead engine:
+//   deadline = base + per_token * max_tokens, by default 60 s + 0.25 s per token
+// (env MOLT_ENGINE_DEADLINE_S, MOLT_ENGINE_DEADLINE_PER_TOKEN_S). The base covers waiting in the
+// engine's queue and a refit's pause (requests are held while the weights move); the per-token
+// term allows a decode rate down to 4 tokens/s per sequence, far below any engine's rate, so only
+// a hang reaches it. The journal asks in chunks of rollout.partial_tokens, so max_tokens is small.
+//
 // An engine that failed is out of rotation until it rejoins: it is probed (at most once a second)
 // and takes traffic again once it answers /health at a weight version no older than the other
 // live engines' — a restarted engine comes back at version 0 and must first be refit (the refit
@@ -9,6 +17,16 @@
 import { callService, ServiceError, type EngineHealth, type GenerateRequest, type GenerateResponse } from '../activities/gpu-client';
 
 const PROBE_INTERVAL_MS = 1_000;
+const PROBE_TIMEOUT_MS = 5_000; // /health answers at once unless the engine hangs
+
+export interface Deadline { baseMs: number; perTokenMs: number }
+const envSeconds = (name: string, fallback: number): number => {
+  const v = Number(process.env[name] ?? fallback);
+  if (!(v > 0)) throw new Error(`${name}=${process.env[name]}: expected a number of seconds > 0`);
+  return v * 1000;
+};
+export const defaultDeadline = (): Deadline =>
+  ({ baseMs: envSeconds('MOLT_ENGINE_DEADLINE_S', 60), perTokenMs: envSeconds('MOLT_ENGINE_DEADLINE_PER_TOKEN_S', 0.25) });
 
 export class EngineRouter {
   private readonly inflight: Map<string, number>;
@@ -16,7 +34,7 @@ export class EngineRouter {
   private readonly down = new Map<string, number>(); // engine out of rotation -> time of its last probe (ms)
   private probing: Promise<void> | null = null;
 
-  constructor(readonly engines: string[], private readonly token: string) {
+  constructor(readonly engines: string[], private readonly token: string, readonly deadline: Deadline = defaultDeadline()) {
     if (engines.length === 0) throw new Error('EngineRouter: no engine URLs given');
     this.inflight = new Map(engines.map((e) => [e, 0]));
   }
@@ -30,24 +48,28 @@ export class EngineRouter {
   }
 
   // Probes the engines out of rotation (one probe round at a time, shared by concurrent requests).
+  // Requests do not wait for it while some engine is in rotation: a hung engine's probe takes
+  // PROBE_TIMEOUT_MS to fail.
   private async probeDown(): Promise<void> {
     const due = [...this.down].filter(([, last]) => Date.now() - last >= PROBE_INTERVAL_MS).map(([e]) => e);
     if (due.length === 0) return;
     this.probing ??= (async () => {
       for (const e of due) this.down.set(e, Date.now());
-      const health = async (e: string) => callService<EngineHealth>(e, '/health', this.token, { response: 'EngineHealth' }).catch(() => null);
+      const health = async (e: string) =>
+        callService<EngineHealth>(e, '/health', this.token, { response: 'EngineHealth', timeoutMs: PROBE_TIMEOUT_MS }).catch(() => null);
       const live = await Promise.all(this.engines.filter((e) => !this.down.has(e)).map(health));
       const newest = Math.max(0, ...live.flatMap((h) => (h ? [h.version] : [])));
-      for (const e of due) {
+      await Promise.all(due.map(async (e) => {
         const h = await health(e);
-        if (h && h.version >= newest) this.down.delete(e); // caught up: back in rotation
-      }
+        if (h && h.version >= newest) this.down.delete(e); // answers, and caught up: back in rotation
+      }));
     })().finally(() => { this.probing = null; });
     await this.probing;
   }
 
   async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
-    await this.probeDown();
+    const probe = this.probeDown();
+    if (this.down.size === this.engines.length) await probe; // nothing to route to before it
     const tried = new Set<string>();
     const pinned = this.affinity.get(session);
     let engine = pinned !== undefined && !this.down.has(pinned) ? pinned : this.leastLoaded(tried);
@@ -58,8 +80,10 @@ export class EngineRouter {
       this.affinity.set(session, current);
       this.inflight.set(current, this.inflight.get(current)! + 1);
       try {
-        return await callService<GenerateResponse>(current, '/generate', this.token,
-          { body, request: 'GenerateRequest', response: 'GenerateResponse', signal });
+        return await callService<GenerateResponse>(current, '/generate', this.token, {
+          body, request: 'GenerateRequest', response: 'GenerateResponse', signal,
+          timeoutMs: this.deadline.baseMs + this.deadline.perTokenMs * (body.sampling?.max_tokens ?? 0),
+        });
       } catch (e) {
         const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
         if (retryable && !signal?.aborted) this.down.set(current, Date.now());
