@@ -19,6 +19,7 @@ import { connect, recipeKeysHelp, takeRecipeOverrides, type Temporal } from './c
 import { RunNotFound, UsageError } from './errors';
 import { evalCheckpoint } from './eval';
 import { follow, formatSeconds } from './follow';
+import { formatSamples, readSamples } from './samples';
 import { plotRun } from './plot';
 import { addScheduleCommands } from './schedule';
 import { hasSearchAttributes, runStartOptions } from './start-options';
@@ -85,8 +86,9 @@ function describeSummary(s: TrainRunSummary): string {
   ].join('\n');
 }
 
-// The reward curve as one line of block characters (0 to 1 mapped onto 8 heights), at most 60
-// wide: each character is the mean of its share of the steps. Min and max are printed beside it.
+// The reward curve as one line of block characters, at most 60 wide: each character is the mean of
+// its share of the steps. The scale is fixed at [0, 1] (rewards of most recipes), widened only to
+// take rewards outside it, and printed: a flat curve must look flat, not be stretched min to max.
 function rewardCurve(history: number[], width = 60): string {
   if (history.length === 0) return '-';
   const buckets = Math.min(width, history.length);
@@ -94,11 +96,11 @@ function rewardCurve(history: number[], width = 60): string {
     const part = history.slice(Math.floor((b * history.length) / buckets), Math.floor(((b + 1) * history.length) / buckets));
     return part.reduce((a, x) => a + x, 0) / part.length;
   });
-  const lo = Math.min(...means);
-  const hi = Math.max(...means);
+  const lo = Math.min(0, ...means);
+  const hi = Math.max(1, ...means);
   const blocks = '▁▂▃▄▅▆▇█';
-  const line = means.map((m) => blocks[hi > lo ? Math.round(((m - lo) / (hi - lo)) * 7) : 0]).join('');
-  return `${line}  (${lo.toFixed(3)} .. ${hi.toFixed(3)})`;
+  const line = means.map((m) => blocks[Math.round(((m - lo) / (hi - lo)) * 7)]).join('');
+  return `${line}  (scale ${lo} .. ${hi}; min ${Math.min(...means).toFixed(3)}, max ${Math.max(...means).toFixed(3)})`;
 }
 
 function describeProgress(p: Progress): string {
@@ -324,6 +326,17 @@ withOverrides(program.command('eval'))
       `sample reward mean ${r.sample_reward_mean.toFixed(4)}`);
     console.log(`  pass@1 ${r['pass@1'].toFixed(4)}, pass@${r.samples} ${r['pass@n'].toFixed(4)} ` +
       `(a sample passes when its reward >= 1), ${r.failed} episodes failed`);
+  });
+
+program.command('samples')
+  .description('decoded episodes of the last trained steps: prompt, completion, reward (<store>/<runId>/samples.jsonl)')
+  .argument('<runId>')
+  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .option('--steps <n>', 'how many of the last steps to show', '3')
+  .option('--step <n>', 'show this step only')
+  .action((runId: string, opts: { store?: string; steps: string; step?: string }) => {
+    const step = opts.step === undefined ? undefined : Number(opts.step);
+    console.log(formatSamples(readSamples(runId, opts.store), { steps: Number(opts.steps), step }));
   });
 
 addScheduleCommands(program, { overrides, withOverrides });
