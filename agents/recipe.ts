@@ -3,6 +3,7 @@
 import { readFileSync } from 'node:fs';
 import * as path from 'node:path';
 import { z } from 'zod';
+import { LIVE_SETTINGS } from './live-settings';
 
 const sampling = z.strictObject({
   max_tokens: z.number().int().positive(),
@@ -17,7 +18,7 @@ const algo = z.strictObject({
   advantage: z.enum(['grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill', 'flash_reinforce'])
     .default('grpo'),
   policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo'),
-  lr: z.number().positive().default(1e-6),
+  lr: LIVE_SETTINGS['algo.lr'].default(1e-6),
   betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]),
   weight_decay: z.number().min(0).default(0),
   grad_clip: z.number().positive().default(1),
@@ -45,8 +46,8 @@ const algo = z.strictObject({
   }).default({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 }),
   max_staleness: z.number().int().min(0).nullable().default(null),
   kl_estimator: z.enum(['k1', 'k2', 'k3']).default('k3'),
-  kl_coef: z.number().min(0).default(0),
-  entropy_coef: z.number().default(0),
+  kl_coef: LIVE_SETTINGS['algo.kl_coef'].default(0),
+  entropy_coef: LIVE_SETTINGS['algo.entropy_coef'].default(0),
   gamma: z.number().min(0).max(1).default(1),
   // c: rewards clamped to [-c, c]; [low, high]: to that range
   reward_clip: z.union([
@@ -64,10 +65,9 @@ export const RecipeConfig = z.strictObject({
   model: z.string().min(1).describe('local HF model directory, or "tiny" for the generated tiny model'),
   seed: z.number().int().default(0),
   group_size: z.number().int().positive().describe('episodes per prompt group (G)'),
-  // Each group in flight is a pending activity of the run: Temporal allows 2,000 per workflow
-  // (limit.numPendingActivities.error), and above ~1,000 its CPU per group grows (bench/ item 4).
-  pool: z.strictObject({ inflight: z.number().int().positive().max(2000, 'at most 2000: each group in flight is a pending activity of the run, and Temporal allows 2000 per workflow') }),
-  batch: z.strictObject({ groups: z.number().int().positive() }),
+  // The settings `molt-client set` may change on a running run are in agents/live-settings.ts.
+  pool: z.strictObject({ inflight: LIVE_SETTINGS['pool.inflight'] }),
+  batch: z.strictObject({ groups: LIVE_SETTINGS['batch.groups'] }),
   // async: groups keep generating while a step trains (tokens may be a few versions stale). sync: the
   // same activities with no overlap: generate one batch with the current weights, train, refit, repeat
   // (the baseline of bench/learning.ts, and a mode for debugging).

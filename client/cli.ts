@@ -12,10 +12,10 @@ import { Command, CommanderError } from 'commander';
 import { loadAgentRunner } from '../agents/contract';
 import { loadRecipe, RecipeError, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import {
-  checkpointUpdate, LIVE_SETTINGS, pauseUpdate, resumeUpdate, setUpdate, type ControlState, type Settings,
+  checkpointUpdate, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type Settings,
 } from '../workflows/control';
 import { progressQuery, runWorkflowId, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
-import { connect, recipeKeysHelp, takeRecipeOverrides, type Temporal } from './command';
+import { connect, liveSettingsHelp, recipeKeysHelp, takeRecipeOverrides, type Temporal } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { evalCheckpoint } from './eval';
 import { follow, formatSeconds } from './follow';
@@ -285,10 +285,15 @@ program.command('unpause')
 withOverrides(program.command('set'))
   .description('change live settings of a running run from its next step, e.g. set <runId> --algo.lr 1e-4')
   .argument('<runId>')
-  .addHelpText('after', `\nLive settings: ${Object.keys(LIVE_SETTINGS).map((k) => `--${k}`).join(', ')}`)
+  .addHelpText('after', () => `\nLive settings (checked as in recipe.json):\n${liveSettingsHelp()}`)
   .action(async (runId: string) => {
     if (Object.keys(overrides).length === 0) throw new UsageError(`set: nothing to set, e.g. --algo.lr 1e-4`);
     const settings = parseSettings(overrides);
+    try {
+      validateSettings(settings); // the workflow's update validator checks the same, with the same words
+    } catch (err) {
+      throw new UsageError(`run ${runId}: ${(err as Error).message}`);
+    }
     printControl(runId, await control(runId, (h) => h.executeUpdate(setUpdate, { args: [settings] })));
   });
 

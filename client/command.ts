@@ -2,6 +2,7 @@
 // recipe keys' help generated from the zod schema.
 import { Client, Connection } from '@temporalio/client';
 import { z } from 'zod';
+import { LIVE_SETTINGS } from '../agents/live-settings';
 import { RecipeConfig } from '../agents/recipe';
 import { UsageError } from './errors';
 
@@ -66,11 +67,16 @@ export function recipeKeysHelp(): string {
     rows.push([isRecord ? `${prefix}.<key>` : prefix, facts.join('; ')]);
   };
   walk(z.toJSONSchema(RecipeConfig, { io: 'input' }) as JsonSchema, '', false);
+  return 'Recipe keys: recipe.json, overridden by --key value or --key=value (numbers, true/false, null and JSON are parsed):\n' +
+    flagRows(rows);
+}
+
+export const liveSettingsHelp = () =>
+  flagRows(Object.entries(LIVE_SETTINGS).map(([key, schema]) => [key, describeType(z.toJSONSchema(schema) as JsonSchema)]));
+
+function flagRows(rows: [string, string][]): string {
   const width = Math.max(...rows.map(([key]) => key.length)) + 4;
-  return [
-    'Recipe keys: recipe.json, overridden by --key value or --key=value (numbers, true/false, null and JSON are parsed):',
-    ...rows.map(([key, facts]) => `  --${key.padEnd(width)}${facts}`),
-  ].join('\n');
+  return rows.map(([key, facts]) => `  --${key.padEnd(width)}${facts}`).join('\n');
 }
 
 const SAFE = Number.MAX_SAFE_INTEGER;

@@ -1,20 +1,12 @@
 // Live control of a run: updates (validated before they enter history) and the settings they may
 // change. A change applies from the next step and is carried across continue-as-new in the config.
 import { defineUpdate } from '@temporalio/workflow';
+import { LIVE_SETTINGS, type LiveSetting } from '../agents/live-settings';
 import type { RecipeConfig } from '../agents/recipe';
 
-// Settings a running run accepts, each with its check. Anything else is fixed for the run's life.
-const positive = (v: number) => (Number.isFinite(v) && v > 0 ? null : 'must be a positive number');
-const positiveInt = (v: number) => (Number.isInteger(v) && v > 0 ? null : 'must be a positive integer');
-const finite = (v: number) => (Number.isFinite(v) ? null : 'must be a finite number');
-export const LIVE_SETTINGS = {
-  'algo.lr': positive,
-  'algo.entropy_coef': finite,
-  'algo.kl_coef': (v: number) => (Number.isFinite(v) && v >= 0 ? null : 'must be a number >= 0'),
-  'batch.groups': positiveInt,
-  'pool.inflight': positiveInt,
-} as const;
-export type LiveSetting = keyof typeof LIVE_SETTINGS;
+// Settings a running run accepts, each checked by its schema in the recipe's zod schema (the
+// same check as recipe.json). Anything else is fixed for the run's life.
+export { LIVE_SETTINGS, type LiveSetting };
 export type Settings = Partial<Record<LiveSetting, number>>;
 
 export const pauseUpdate = defineUpdate<ControlState>('pause');
@@ -25,16 +17,20 @@ export const checkpointUpdate = defineUpdate<{ step: number; path: string }>('ch
 
 export interface ControlState { paused: boolean; settings: Record<LiveSetting, number> }
 
-// Throws (rejecting the update, which then never reaches history) with a message naming the setting.
+// Throws (rejecting the update, which then never reaches history) with a message naming the
+// setting. molt-client checks with it too before it sends the update.
 export function validateSettings(settings: Settings): void {
   if (typeof settings !== 'object' || settings === null || Object.keys(settings).length === 0) {
     throw new Error(`nothing to set: give one or more of ${Object.keys(LIVE_SETTINGS).join(', ')}`);
   }
   for (const [key, value] of Object.entries(settings)) {
-    const check = LIVE_SETTINGS[key as LiveSetting];
-    if (!check) throw new Error(`${key} cannot be changed on a running run (live settings: ${Object.keys(LIVE_SETTINGS).join(', ')})`);
-    const problem = typeof value === 'number' ? check(value) : 'must be a number';
-    if (problem) throw new Error(`${key}: ${JSON.stringify(value)} ${problem}`);
+    const schema = Object.prototype.hasOwnProperty.call(LIVE_SETTINGS, key) ? LIVE_SETTINGS[key as LiveSetting] : undefined;
+    if (!schema) throw new Error(`${key} cannot be changed on a running run (live settings: ${Object.keys(LIVE_SETTINGS).join(', ')})`);
+    const parsed = schema.safeParse(value);
+    if (!parsed.success) {
+      const problem = parsed.error.issues[0].message.replace(/^Invalid input: /, '');
+      throw new Error(`${key}: ${JSON.stringify(value)}${problem.startsWith('must') ? ' ' : ': '}${problem}`);
+    }
   }
 }
 
