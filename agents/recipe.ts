@@ -15,8 +15,9 @@ const sampling = z.strictObject({
 
 // Mirrors AlgoConfig in gpu-services/contract.py (the actor validates it again).
 const algo = z.strictObject({
-  advantage: z.enum(['grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill', 'flash_reinforce'])
-    .default('grpo'),
+  advantage: z.enum([
+    'grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill', 'flash_reinforce',
+  ]).default('grpo'),
   policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo'),
   lr: LIVE_SETTINGS['algo.lr'].default(1e-6),
   betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]),
@@ -38,7 +39,8 @@ const algo = z.strictObject({
       refuse('mode', `rollout_correction level '${rc.level}' keeps or drops whole sequences and weights each kept `
         + `token by its own ratio: it needs mode 'mask', not '${rc.mode}'`);
     } else if (rc.level !== 'off' && rc.gate !== 'ratio' && rc.mode !== 'mask') {
-      refuse('mode', `rollout_correction gate '${rc.gate}' keeps or drops tokens: it needs mode 'mask', not '${rc.mode}'`);
+      refuse('mode', `rollout_correction gate '${rc.gate}' keeps or drops tokens: it needs mode 'mask', `
+        + `not '${rc.mode}'`);
     }
     if (rc.gate === 'ratio' && !(rc.low <= rc.high)) {
       refuse('low', `rollout_correction needs low <= high, got low ${rc.low} and high ${rc.high}`);
@@ -57,6 +59,19 @@ const algo = z.strictObject({
   // MoE: the engine records each sampled token's experts and the actor trains through them
   routing_replay: z.boolean().default(false),
   micro_batch_tokens: z.number().int().positive().default(8192),
+  // How the token losses add up to the step's loss (formulas in gpu-services/algorithm.py, loss_divisor);
+  // seq-mean-token-sum-norm divides by a constant token budget per sequence, loss_agg_tokens (Dr. GRPO).
+  loss_agg: z.enum(['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'])
+    .default('token-mean'),
+  loss_agg_tokens: z.number().int().positive().nullable().default(null),
+}).superRefine((a, ctx) => {
+  if (a.loss_agg === 'seq-mean-token-sum-norm' && a.loss_agg_tokens === null) {
+    ctx.addIssue({
+      code: 'custom', path: ['loss_agg_tokens'], message: "loss_agg 'seq-mean-token-sum-norm' divides each sequence's "
+        + 'token sum by a constant: set loss_agg_tokens to the per-sequence token budget (Dr. GRPO uses the generation '
+        + 'budget)',
+    });
+  }
 });
 
 export const RecipeConfig = z.strictObject({

@@ -42,7 +42,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 import weight_transfer
-from algorithm import compute_advantages, entropy_from_logits, policy_objective, staleness_mask
+from algorithm import compute_advantages, entropy_from_logits, loss_divisor, policy_objective, staleness_mask
 from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
                     write_error)
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, LogprobsRequest,
@@ -283,7 +283,8 @@ class Actor:
         # Invariant 3 is about tokens sampled at the actor's own version: their rollout logprobs must equal ours.
         fresh = (mask > 0) & (versions == self.version)  # [N,T]
         advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp)  # [N,T]
-        total_tokens = max(mask.sum().item(), 1.0)  # global token mean over all ranks (every rank has the batch)
+        total_tokens = max(mask.sum().item(), 1.0)  # token means of the metrics, over all ranks
+        divisor = loss_divisor(algo, mask)  # [N,1] from the whole step: every rank has the batch
 
         for g in self.optimizer.param_groups:
             g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
@@ -300,7 +301,7 @@ class Actor:
             if algo.entropy_coef == 0:
                 entropy = entropy.detach()
             loss, metrics = policy_objective(
-                algo, logp, old_logp[idx, :L], rollout_logp[idx, :L], advantages[idx, :L], mask[idx, :L], total_tokens,
+                algo, logp, old_logp[idx, :L], rollout_logp[idx, :L], advantages[idx, :L], mask[idx, :L], divisor[idx],
                 entropy=entropy, ref_logp=None if ref_logp is None else ref_logp[idx, :L])
             # FSDP averages gradients over ranks; the step's loss is the SUM of the ranks' losses, so scale by
             # world size. A dummy micro-batch (no rows) only keeps the collectives in step: weight 0.
@@ -326,6 +327,7 @@ class Actor:
         trained = sums["tokens"]
         rewards = torch.tensor(list(episode_rewards(segments).values()))
         metrics = {
+            "loss": sums["loss"],  # the step's loss, the sum of every micro-batch's and rank's share
             "pg_loss": sums["pg_loss"] / total_tokens,
             "entropy": sums["entropy"] / total_tokens,
             "kl": sums["kl"] / total_tokens,

@@ -10,9 +10,9 @@ loss_mask is 1 on the tokens the policy sampled (the only tokens that are traine
 Conventions that hold everywhere below:
   - every per-token output is 0 outside loss_mask;
   - advantages and importance weights are detached (they are targets and weights, not things to differentiate);
-  - the loss is a GLOBAL token mean: sum over this call's masked tokens / total_tokens, where total_tokens counts
-    the masked tokens of the whole optimizer step on all ranks, so the losses of all micro-batches and ranks add up
-    to the step's token mean (no bias toward short sequences or small micro-batches).
+  - the loss is normalised GLOBALLY: each row's token losses are divided by a divisor that loss_divisor computes from
+    the mask of the whole optimizer step on all ranks (by default the step's token count), so the losses of all
+    micro-batches and ranks add up to exactly the step's loss (no bias toward short sequences or small micro-batches).
 """
 from __future__ import annotations
 
@@ -240,6 +240,40 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 # ----------------------------------------------------------------------------- the loss
 
+def loss_divisor(algo: AlgoConfig, loss_mask: Tensor) -> Tensor:
+    """The divisor D_b [B,1] of each row's token losses, by algo.loss_agg. loss_mask [B,T] must be the mask of the WHOLE
+    optimizer step (every micro-batch, every rank): then the micro-batch losses  sum_b sum_t keep_bt l_bt / D_b  of
+    policy_objective, each over its own rows, add up to exactly the step's loss. With n_b = sum_t mask_bt the row's
+    tokens, N = sum_b n_b and S = #{b : n_b > 0} the non-empty rows:
+      token-mean               D_b = N        the mean over all tokens of the step (the original's default)
+      seq-mean-token-sum       D_b = S        the mean over sequences of their token sums
+      seq-mean-token-mean      D_b = S n_b    the mean over sequences of their token means
+      seq-mean-token-sum-norm  D_b = S C      Dr. GRPO: C = algo.loss_agg_tokens, a constant per-sequence token budget
+                                              (the paper uses the generation budget, MAX_TOKENS) in place of the
+                                              sequence's own length n_b, so that a token weighs the same whatever the
+                                              length of its sequence (1/n_b favours short right answers and long wrong
+                                              ones); the mean over sequences (the paper's 1/G) keeps the scale
+                                              independent of the batch size
+    A row is one trajectory segment (an episode compacted into k segments counts k times). Rows without loss tokens
+    (all stale, say) count nowhere: D_b = 1 and they add 0. Tokens dropped by the rollout correction add 0 but still
+    count in n_b and N, as they would in the original's token mean."""
+    n = loss_mask.to(torch.float64).sum(dim=1, keepdim=True)  # [B,1]; float64: token counts stay exact
+    rows = (n > 0).sum().clamp(min=1).to(n.dtype)  # S
+    if algo.loss_agg == "token-mean":
+        divisor = n.sum().clamp(min=1).expand_as(n)
+    elif algo.loss_agg == "seq-mean-token-sum":
+        divisor = rows.expand_as(n)
+    elif algo.loss_agg == "seq-mean-token-mean":
+        divisor = rows * n
+    elif algo.loss_agg == "seq-mean-token-sum-norm":
+        if algo.loss_agg_tokens is None:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs loss_agg_tokens")
+        divisor = (rows * algo.loss_agg_tokens).expand_as(n)
+    else:
+        raise ValueError(f"unknown algo.loss_agg {algo.loss_agg!r}")
+    return torch.where(n > 0, divisor, 1.0)
+
+
 def clipped_surrogate(algo: AlgoConfig, ratio: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
     """PPO: loss = max(-A r, -A clip(r, 1-clip_low, 1+clip_high)); with dual_clip c and A < 0 the loss is further
     capped at -A c (Ye et al., dual-clip PPO). Returns (per-token loss, clipped [B,T] bool: a clip was active)."""
@@ -256,7 +290,7 @@ def clipped_surrogate(algo: AlgoConfig, ratio: Tensor, advantages: Tensor) -> tu
 
 
 def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor,
-                     loss_mask: Tensor, total_tokens: float, entropy: Tensor | None = None,
+                     loss_mask: Tensor, divisor: Tensor | float, entropy: Tensor | None = None,
                      ref_logp: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one micro-batch. logp [B,T] current policy (requires grad), old_logp [B,T] the actor's logprobs
     before this step's update, rollout_logp [B,T] the engine's sampling logprobs, advantages [B,T], entropy [B,T]
@@ -264,7 +298,7 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_l
 
     per-token loss  l_t = w_t * pg_t - entropy_coef * H_t + kl_coef * KL_t       (KL_t only with ref_logp, and not
                                                                                   for reinforce++: its KL is in the reward)
-    loss            = sum_t keep_t * l_t / total_tokens                          (global token mean, see module doc)
+    loss            = sum_b sum_t keep_bt * l_bt / D_b                           (D: divisor, see loss_divisor)
     (w, keep) = rollout_correction(...). pg by algo.policy_loss, with r_t = exp(clamp(logp_t - old_logp_t, ±30)):
       ppo    pg_t = clipped_surrogate(r_t, A_t)            max(-A r, -A clip(r)), dual clip for A < 0
       gspo   s = exp(mean_t (logp_t - old_logp_t)) per sequence (clamped ±30 in log space);
@@ -272,10 +306,12 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_l
              Zheng et al. 2025, eq. for GSPO-token) and pg_t = clipped_surrogate(s_t, A_t); aggregation is the
              global token mean here, not the paper's per-sequence mean
       cispo  pg_t = -sg[clip(r_t, 1-clip_low, 1+clip_high)] * A_t * logp_t   (MiniMax-M1; every token gets gradient)
-    total_tokens counts loss_mask tokens of the whole step; tokens dropped by the rollout correction contribute 0.
+    divisor: D [B,1], these rows of loss_divisor(algo, mask of the whole step); a float D is the same for every row
+    (token-mean with D = the step's token count). Tokens dropped by the rollout correction contribute 0.
 
-    Metrics: detached SUMS over loss_mask tokens (divide the all-rank, all-micro-batch total by total_tokens):
-      pg_loss (sum of keep * w * pg, the policy part of the loss * total_tokens), entropy, kl (KL_t vs ref, 0 without
+    Metrics: loss (this call's share of the step's loss: the shares add up to it), and detached SUMS over loss_mask
+    tokens (divide the all-rank, all-micro-batch total by the step's token count for token means):
+      pg_loss (sum of keep * w * pg: the policy part of a token-mean loss * tokens), entropy, kl (KL_t vs ref, 0 without
       ref_logp), clip_frac (tokens where a clip was active), is_masked (tokens dropped by the rollout correction),
       ratio (r_t, or s for gspo), rollout_kl (k3 estimate of KL(rollout || old) from the sampled tokens), tokens.
     """
@@ -311,10 +347,11 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_l
             token_loss = token_loss + algo.kl_coef * kl
     elif algo.kl_coef > 0 and algo.advantage != "reinforce++":
         raise ValueError("kl_coef > 0 needs ref_logp (a reference model)")
-    loss = masked_sum(token_loss, keep) / total_tokens
+    loss = masked_sum(token_loss / torch.as_tensor(divisor, dtype=logp.dtype, device=logp.device), keep)
 
     with torch.no_grad():
         metrics = {
+            "loss": loss,
             "pg_loss": masked_sum(weights * pg, keep),
             "entropy": masked_sum(entropy, mask) if entropy is not None else mask.new_zeros(()),
             "kl": masked_sum(kl, mask),

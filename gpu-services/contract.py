@@ -150,6 +150,11 @@ class AlgoConfig(Strict):
     # without a record are masked from the loss (metric routing/unrecorded_masked)
     routing_replay: bool = False
     micro_batch_tokens: int = 8192  # forward/backward in chunks of at most this many tokens
+    # how the token losses add up to the step's loss (formulas in algorithm.loss_divisor); seq-mean-token-sum-norm
+    # divides by a constant token budget per sequence, loss_agg_tokens (Dr. GRPO: the generation budget)
+    loss_agg: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                      "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_tokens: Optional[int] = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _check(self):
@@ -158,6 +163,9 @@ class AlgoConfig(Strict):
             raise ValueError(f"reward_clip [low, high] needs low < high, got {list(clip)}")
         if not isinstance(clip, tuple) and not clip > 0:
             raise ValueError(f"reward_clip c clamps rewards to [-c, c] and must be > 0, got {clip}")
+        if self.loss_agg == "seq-mean-token-sum-norm" and self.loss_agg_tokens is None:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' divides each sequence's token sum by a constant: set "
+                             "loss_agg_tokens to the per-sequence token budget (Dr. GRPO uses the generation budget)")
         return self
 
 

@@ -156,7 +156,7 @@ def test_world_sizes_1_and_2_take_the_same_step(stepped1, stepped2):
     assert (after1 - before).abs().max() > 100 * RANKS_TOL
     # Adam's first update hardly depends on the gradient's scale: grad_norm is what shows that FSDP's averaging
     # over ranks is compensated (without it world size 2 has half the gradient)
-    for key in ("pg_loss", "entropy", "grad_norm", "tokens/trained", "clip_frac"):
+    for key in ("loss", "pg_loss", "entropy", "grad_norm", "tokens/trained", "clip_frac"):
         assert resp1["metrics"][key] == pytest.approx(resp2["metrics"][key], rel=1e-4, abs=1e-6), key
 
 
@@ -205,11 +205,15 @@ def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_
         assert (actor_logprobs(fresh, rows) - actor_logprobs(actor1, rows)).abs().max() < RANKS_TOL
         # the step log travelled with the checkpoint: its steps replay, not retrain
         assert train(fresh, store, 1).json()["replayed"]
-        # optimizer state travelled too: the next step (Adam moments) agrees
+        # optimizer state travelled too: the next step (Adam moments) agrees. It aggregates per sequence (divisors
+        # that differ by row), which must be exact across world sizes 2 (fresh) and 1 and their micro-batches.
         next_step = health["last_step"] + 1
-        assert train(fresh, store, next_step).status_code == 200
-        assert train(actor1, store, next_step).status_code == 200
+        seq_mean = {"loss_agg": "seq-mean-token-mean"}
+        r2, r1 = train(fresh, store, next_step, **seq_mean), train(actor1, store, next_step, **seq_mean)
+        assert r2.status_code == 200 and r1.status_code == 200, (r2.text, r1.text)
         assert (actor_logprobs(fresh, rows) - actor_logprobs(actor1, rows)).abs().max() < RANKS_TOL
+        for key in ("loss", "grad_norm", "pg_loss"):
+            assert r2.json()["metrics"][key] == pytest.approx(r1.json()["metrics"][key], rel=1e-4, abs=1e-6), key
         r = c.post("/checkpoint/load", json={"path": str(tmp_path / "missing")})
         assert r.status_code == 400 and "missing" in r.json()["error"]
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from algorithm import (compute_advantages, entropy_from_logits, kl_estimate, policy_objective, rollout_correction,
-                       staleness_mask)
+from algorithm import (compute_advantages, entropy_from_logits, kl_estimate, loss_divisor, policy_objective,
+                       rollout_correction, staleness_mask)
 from contract import AlgoConfig, RolloutCorrection
 
 torch.set_num_threads(1)
@@ -421,7 +421,7 @@ def test_ppo_clipping_both_sides_and_dual_clip_by_hand():
     logp = (old + ratios.log()).requires_grad_()
     mask = torch.ones(1, 5, dtype=torch.bool)
     algo = AlgoConfig(policy_loss="ppo", clip_low=0.2, clip_high=0.2, dual_clip=3.0)
-    loss, metrics = policy_objective(algo, logp, old, old, adv, mask, total_tokens=5)
+    loss, metrics = policy_objective(algo, logp, old, old, adv, mask, divisor=5)
     close(loss, 0.2)
     loss.backward()
     close(logp.grad, [[0.0, 0.0, -1.1 / 5, -0.5 / 5, 0.0]])
@@ -442,7 +442,7 @@ def test_gspo_sequence_ratio_by_hand():
     algo = AlgoConfig(policy_loss="gspo")
     for a, expected_loss, expected_grad in [(1.0, -1.2, [0.0, 0.0, 0.0]), (-1.0, 2.0, [1.0, 1.0, 0.0])]:
         logp = (old + torch.tensor([[math.log(4), 0.0, 0.7]])).requires_grad_()
-        loss, metrics = policy_objective(algo, logp, old, old, torch.full((1, 3), a) * mask, mask, total_tokens=2)
+        loss, metrics = policy_objective(algo, logp, old, old, torch.full((1, 3), a) * mask, mask, divisor=2)
         loss.backward()
         close(loss, expected_loss)
         close(logp.grad, [expected_grad])
@@ -461,7 +461,7 @@ def test_gspo_gradient_is_the_sequence_gradient():
     for b in range(3):
         n = int(mask[b].sum())
         logp = (old[b:b + 1] + delta[b:b + 1]).requires_grad_()
-        policy_objective(algo, logp, old[b:b + 1], old[b:b + 1], adv[b:b + 1], mask[b:b + 1], total_tokens=n)[0].backward()
+        policy_objective(algo, logp, old[b:b + 1], old[b:b + 1], adv[b:b + 1], mask[b:b + 1], divisor=n)[0].backward()
         logp2 = (old[b:b + 1] + delta[b:b + 1]).requires_grad_()
         s = (((logp2 - old[b:b + 1]) * mask[b:b + 1]).sum() / n).exp()
         (-adv[b, 0] * s).backward()
@@ -537,7 +537,7 @@ def test_rollout_mask_drops_tokens_and_counts_them():
     logp = old.clone().requires_grad_()  # r = 1
     adv = torch.tensor([[1.0, 5.0, 2.0]])
     algo = AlgoConfig(rollout_correction=RolloutCorrection(level="token", mode="mask", low=0.9, high=1.1))
-    loss, metrics = policy_objective(algo, logp, old, rollout, adv, torch.ones(1, 3), total_tokens=3)
+    loss, metrics = policy_objective(algo, logp, old, rollout, adv, torch.ones(1, 3), divisor=3)
     close(loss, (-1.0 - 2.0) / 3)  # -A r with r = 1, weight 1 on kept tokens
     close(metrics["is_masked"], 1)
     close(metrics["tokens"], 3)
@@ -591,6 +591,88 @@ def test_global_token_mean_split_equals_whole(policy_loss):
     close(whole[3]["tokens"], total)
 
 
+LOSS_AGGS = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def test_loss_agg_by_hand():
+    # r = 1 everywhere, so each token's loss is -A. Row 0: one token, A 1 -> sum -1. Row 1: three tokens, A 2 -> sum -6.
+    # Row 2: no loss tokens (all stale, say): counts nowhere. N = 4 tokens, S = 2 non-empty rows, C = 4.
+    #   token-mean               (-1 - 6) / 4               = -1.75
+    #   seq-mean-token-sum       (-1 - 6) / 2               = -3.5
+    #   seq-mean-token-mean      (-1 / 1 + -6 / 3) / 2      = -1.5
+    #   seq-mean-token-sum-norm  (-1 - 6) / (2 * 4)         = -0.875
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([[1.0, 0.0, 0.0], [2.0, 2.0, 2.0], [0.0, 0.0, 0.0]])
+    old = torch.full((3, 3), -1.0)
+    for loss_agg, expected, divisors in [("token-mean", -1.75, [4, 4, 1]), ("seq-mean-token-sum", -3.5, [2, 2, 1]),
+                                         ("seq-mean-token-mean", -1.5, [2, 6, 1]),
+                                         ("seq-mean-token-sum-norm", -0.875, [8, 8, 1])]:
+        algo = AlgoConfig(loss_agg=loss_agg, loss_agg_tokens=4 if loss_agg.endswith("-norm") else None)
+        divisor = loss_divisor(algo, mask)
+        close(divisor, [[d] for d in divisors])
+        loss, metrics = policy_objective(algo, old.clone().requires_grad_(), old, old, adv, mask, divisor)
+        close(loss, expected)
+        close(metrics["loss"], expected)
+    assert AlgoConfig().loss_agg == "token-mean"
+    needs_constant = ("loss_agg 'seq-mean-token-sum-norm' divides each sequence's token sum by a constant: "
+                      "set loss_agg_tokens")
+    with pytest.raises(ValidationError, match=needs_constant):
+        AlgoConfig(loss_agg="seq-mean-token-sum-norm")
+    with pytest.raises(ValidationError, match="loss_agg_tokens"):
+        AlgoConfig(loss_agg="seq-mean-token-sum-norm", loss_agg_tokens=0)
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+@pytest.mark.parametrize("policy_loss", ["ppo", "gspo", "cispo"])
+def test_loss_agg_is_exact_across_micro_batches_and_ranks(loss_agg, policy_loss):
+    """The actor splits a step's rows over ranks and micro-batches, each sliced to its longest row, and adds the losses
+    (and gradients) up; with the divisor of the whole step this is exactly the loss of one batch, which is the
+    aggregation of the per-row token sums written out in Python."""
+    g, mask = random_batch(10, B=7, T=8)
+    lengths = [8, 3, 6, 1, 5, 8, 4]
+    for b, n in enumerate(lengths):
+        mask[b, n:] = False
+    mask[4] = False  # a row without loss tokens (all stale)
+    old = -torch.rand(7, 8, generator=g) * 2
+    rollout = (old + torch.randn(7, 8, generator=g) * 0.1).clamp(max=0)
+    base = old + torch.randn(7, 8, generator=g) * 0.3
+    adv = torch.randn(7, 8, generator=g) * mask
+    entropy_base = torch.rand(7, 8, generator=g)
+    algo = AlgoConfig(policy_loss=policy_loss, entropy_coef=0.01, loss_agg=loss_agg, loss_agg_tokens=16,
+                      rollout_correction=RolloutCorrection(level="geo", mode="mask", low=0.95, high=1.05))
+    divisor = loss_divisor(algo, mask)  # [7,1], from the whole step
+
+    def run(parts):
+        logp, ent = base.clone().requires_grad_(), entropy_base.clone().requires_grad_()
+        total, sums = 0.0, {}
+        for rows in parts:
+            L = max(lengths[i] for i in rows)
+            loss, metrics = policy_objective(algo, logp[rows, :L], old[rows, :L], rollout[rows, :L], adv[rows, :L],
+                                             mask[rows, :L], divisor[rows], entropy=ent[rows, :L])
+            total = total + loss
+            sums = {k: sums.get(k, 0) + v for k, v in metrics.items()}
+        total.backward()
+        return total.detach(), logp.grad, ent.grad, sums
+
+    whole = run([list(range(7))])
+    split = run([[0, 3], [5], [1, 2], [4, 6]])  # rank 0: two micro-batches, rank 1: two
+    for a, b in zip(whole[:3], split[:3]):
+        close(b, a, tol=1e-10)
+    for k in whole[3]:
+        close(split[3][k], whole[3][k], tol=1e-10)
+    close(whole[3]["loss"], whole[0], tol=1e-12)
+
+    row_sums = [float(policy_objective(algo, base[b:b + 1], old[b:b + 1], rollout[b:b + 1], adv[b:b + 1],
+                                       mask[b:b + 1], 1.0, entropy=entropy_base[b:b + 1])[0]) for b in range(7)]
+    n = [int(m) for m in mask.sum(dim=1)]
+    rows = [b for b in range(7) if n[b] > 0]
+    expected = {"token-mean": sum(row_sums) / sum(n), "seq-mean-token-sum": sum(row_sums) / len(rows),
+                "seq-mean-token-mean": sum(row_sums[b] / n[b] for b in rows) / len(rows),
+                "seq-mean-token-sum-norm": sum(row_sums) / (len(rows) * 16)}[loss_agg]
+    close(whole[0], expected, tol=1e-10)
+    assert 0 < float(rollout_correction(algo, old, rollout, mask)[1].sum()) < int(mask.sum())  # the gate drops some
+
+
 def test_float32_and_bool_masks():
     # the actor's dtypes: fp32 logprobs, bool masks; same numbers as the ppo hand case above (loss 0.2)
     ratios = torch.tensor([[1.5, 0.5, 1.1, 0.5, 5.0]], dtype=torch.float32)
@@ -599,7 +681,7 @@ def test_float32_and_bool_masks():
     adv = torch.tensor([[1.0, -1.0, 1.0, 1.0, -1.0]], dtype=torch.float32)
     mask = torch.ones(1, 5, dtype=torch.bool)
     algo = AlgoConfig(dual_clip=3.0, rollout_correction=RolloutCorrection(level="geo", mode="mask"))
-    loss, metrics = policy_objective(algo, logp, old, old, adv, mask, total_tokens=5)
+    loss, metrics = policy_objective(algo, logp, old, old, adv, mask, divisor=5)
     assert loss.dtype == torch.float32 and all(v.dtype == torch.float32 for v in metrics.values())
     close(loss, 0.2, tol=1e-5)
     adv32 = compute_advantages(AlgoConfig(advantage="reinforce++"), torch.tensor([1.0, 0.0], dtype=torch.float32),

@@ -8,7 +8,8 @@ const COPY = path.join(REPO_ROOT, 'recipes', 'copy');
 const algo = (overrides: Record<string, string>) => loadRecipe(COPY, overrides).algo;
 
 test('every AlgoConfig field of contract.schema.json is in the recipe schema, with the same default', () => {
-  const schema = JSON.parse(readFileSync(path.join(REPO_ROOT, 'gpu-services', 'contract.schema.json'), 'utf8')).AlgoConfig;
+  const file = path.join(REPO_ROOT, 'gpu-services', 'contract.schema.json');
+  const schema = JSON.parse(readFileSync(file, 'utf8')).AlgoConfig;
   const defaults = RecipeConfig.shape.algo.parse({}) as Record<string, unknown>;
   expect(Object.keys(defaults).sort()).toEqual(Object.keys(schema.properties).sort());
   for (const [key, prop] of Object.entries<{ default?: unknown }>(schema.properties)) {
@@ -21,7 +22,8 @@ test('reward_clip: a symmetric bound or a [low, high] range', () => {
   expect(algo({ 'algo.reward_clip': '3' }).reward_clip).toBe(3);
   expect(algo({ 'algo.reward_clip': '[-2,5]' }).reward_clip).toEqual([-2, 5]);
   expect(algo({ 'algo.advantage': 'flash_reinforce' }).advantage).toBe('flash_reinforce');
-  expect(() => algo({ 'algo.reward_clip': '[5,1]' })).toThrow('recipe config: algo.reward_clip: reward_clip [low, high] needs low < high');
+  expect(() => algo({ 'algo.reward_clip': '[5,1]' }))
+    .toThrow('recipe config: algo.reward_clip: reward_clip [low, high] needs low < high');
   expect(() => algo({ 'algo.reward_clip': '0' })).toThrow(/recipe config: algo\.reward_clip: .*>0/);
 });
 
@@ -37,4 +39,14 @@ test('rollout_correction: sequence gates and divergence gates need mode mask; lo
     "algo.rollout_correction.mode: rollout_correction gate 'binary_kl' keeps or drops tokens: it needs mode 'mask'");
   expect(() => algo({ 'algo.rollout_correction': '{"level":"token","low":2,"high":1}' })).toThrow(
     'algo.rollout_correction.low: rollout_correction needs low <= high, got low 2 and high 1');
+});
+
+test('loss_agg: token-mean by default; the Dr. GRPO mode needs its constant', () => {
+  expect(algo({})).toMatchObject({ loss_agg: 'token-mean', loss_agg_tokens: null });
+  expect(algo({ 'algo.loss_agg': 'seq-mean-token-mean' }).loss_agg).toBe('seq-mean-token-mean');
+  expect(algo({ 'algo.loss_agg': 'seq-mean-token-sum-norm', 'algo.loss_agg_tokens': '64' }).loss_agg_tokens).toBe(64);
+  expect(() => algo({ 'algo.loss_agg': 'seq-mean-token-sum-norm' })).toThrow(
+    "recipe config: algo.loss_agg_tokens: loss_agg 'seq-mean-token-sum-norm' divides each sequence's token sum by a "
+    + 'constant: set loss_agg_tokens');
+  expect(() => algo({ 'algo.loss_agg': 'token-sum' })).toThrow(/recipe config: algo\.loss_agg: .*token-mean/);
 });
