@@ -149,7 +149,23 @@ def test_actor_matches_engine_before_and_after_push(engine, store, actor2, stepp
     assert (logp - torch.tensor(out["logprobs"])).abs().max() < ENGINE_TOL
 
 
-def test_world_sizes_1_and_2_take_the_same_step(stepped1, stepped2):
+# grpo advantage of every episode in the store (groups [1, 0] and [0.25, 0.75]): 0.5 / std 0.5^0.5 = 0.5^0.5;
+# rows in store order: episode (0, 0) in two segments, (0, 1), (1, 0), (1, 1)
+ROW_ADVANTAGES = [0.5 ** 0.5, 0.5 ** 0.5, -0.5 ** 0.5, -0.5 ** 0.5, 0.5 ** 0.5]
+
+
+def loss_at_start(store, loss_agg: str) -> float:
+    """A step's loss at its start, written out: the ratio is 1 and there is no correction, entropy or KL term, so
+    every token's loss is -A and  loss = -sum_b A_b n_b / D_b  (n_b: the row's loss tokens; D_b: loss_divisor).
+    A divisor computed per micro-batch or per rank instead of for the whole step would miss it."""
+    n = [float(row["loss_mask"].sum()) for row in load_rows(store)]
+    if loss_agg == "token-mean":  # D_b = N
+        return -sum(a * k for a, k in zip(ROW_ADVANTAGES, n)) / sum(n)
+    assert loss_agg == "seq-mean-token-mean"  # D_b = S n_b
+    return -sum(ROW_ADVANTAGES) / len(n)
+
+
+def test_world_sizes_1_and_2_take_the_same_step(stepped1, stepped2, store):
     before, after2, resp2 = stepped2
     after1, resp1 = stepped1
     assert (after1 - after2).abs().max() < RANKS_TOL
@@ -158,6 +174,7 @@ def test_world_sizes_1_and_2_take_the_same_step(stepped1, stepped2):
     # over ranks is compensated (without it world size 2 has half the gradient)
     for key in ("loss", "pg_loss", "entropy", "grad_norm", "tokens/trained", "clip_frac"):
         assert resp1["metrics"][key] == pytest.approx(resp2["metrics"][key], rel=1e-4, abs=1e-6), key
+    assert resp1["metrics"]["loss"] == pytest.approx(loss_at_start(store, "token-mean"), rel=1e-4)
 
 
 def test_repeated_step_is_a_no_op_and_a_skipped_step_conflicts(actor1, store, stepped1):
@@ -214,6 +231,7 @@ def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_
         assert (actor_logprobs(fresh, rows) - actor_logprobs(actor1, rows)).abs().max() < RANKS_TOL
         for key in ("loss", "grad_norm", "pg_loss"):
             assert r2.json()["metrics"][key] == pytest.approx(r1.json()["metrics"][key], rel=1e-4, abs=1e-6), key
+        assert r1.json()["metrics"]["loss"] == pytest.approx(loss_at_start(store, "seq-mean-token-mean"), rel=1e-4)
         r = c.post("/checkpoint/load", json={"path": str(tmp_path / "missing")})
         assert r.status_code == 400 and "missing" in r.json()["error"]
 
