@@ -167,7 +167,8 @@ def rollout_correction(algo: AlgoConfig, old_logp: Tensor, rollout_logp: Tensor,
     By .mode:
       mask   weight rho_t on kept tokens, 0 on dropped ones
       clip   weight clamp(rho_t, low, high), every token kept        token level and ratio gate only: contract.py
-      trunc  weight min(rho_t, high), every token kept               refuses the rest, as the original does
+      trunc  weight min(rho_t, high), every token kept               refuses seq/geo (as the original does) and the
+                                                                     divergence gates (there is nothing to clip)
     Returns (weights [B,T] to multiply the per-token loss (0 outside keep), keep_mask [B,T] float).
     """
     rc = algo.rollout_correction
@@ -256,7 +257,7 @@ def loss_divisor(algo: AlgoConfig, loss_mask: Tensor) -> Tensor:
                                               independent of the batch size
     A row is one trajectory segment (an episode compacted into k segments counts k times). Rows without loss tokens
     (all stale, say) count nowhere: D_b = 1 and they add 0. Tokens dropped by the rollout correction add 0 but still
-    count in n_b and N, as they would in the original's token mean."""
+    count in n_b and N (the token mean counted them before loss_agg existed, too)."""
     n = loss_mask.to(torch.float64).sum(dim=1, keepdim=True)  # [B,1]; float64: token counts stay exact
     rows = (n > 0).sum().clamp(min=1).to(n.dtype)  # S
     if algo.loss_agg == "token-mean":
