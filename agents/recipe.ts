@@ -6,33 +6,38 @@ import { z } from 'zod';
 import { LIVE_SETTINGS } from './live-settings';
 
 const sampling = z.strictObject({
-  max_tokens: z.number().int().positive(),
-  temperature: z.number().min(0).default(1),
-  top_p: z.number().gt(0).max(1).default(1),
-  top_k: z.number().int().min(0).default(0),
-  stop_token_ids: z.array(z.number().int()).default([]),
+  max_tokens: z.number().int().positive().describe('tokens sampled per turn at most'),
+  temperature: z.number().min(0).default(1).describe('sampling temperature (0 = greedy)'),
+  top_p: z.number().gt(0).max(1).default(1)
+    .describe('nucleus sampling: the likeliest tokens holding this much probability'),
+  top_k: z.number().int().min(0).default(0).describe('sample among the k likeliest tokens (0 = all)'),
+  stop_token_ids: z.array(z.number().int()).default([]).describe('token ids that end a turn'),
 });
 
 // Mirrors AlgoConfig in gpu-services/contract.py (the actor validates it again).
 const algo = z.strictObject({
   advantage: z.enum([
     'grpo', 'dr_grpo', 'rloo', 'reinforce_baseline', 'reinforce++', 'on_policy_distill', 'flash_reinforce',
-  ]).default('grpo'),
-  policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo'),
-  lr: LIVE_SETTINGS['algo.lr'].default(1e-6),
-  betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]),
-  weight_decay: z.number().min(0).default(0),
-  grad_clip: z.number().positive().default(1),
-  clip_low: z.number().min(0).default(0.2),
-  clip_high: z.number().min(0).default(0.2),
-  dual_clip: z.number().gt(1).nullable().default(null),
+  ]).default('grpo').describe('advantage estimator (gpu-services/algorithm.py)'),
+  policy_loss: z.enum(['ppo', 'gspo', 'cispo']).default('ppo')
+    .describe('ppo: clip per token; gspo: clip per sequence; cispo: clipped importance weight, gradient kept'),
+  lr: LIVE_SETTINGS['algo.lr'].default(1e-6).describe('learning rate (Adam); live: `set`'),
+  betas: z.tuple([z.number(), z.number()]).default([0.9, 0.95]).describe('Adam betas'),
+  weight_decay: z.number().min(0).default(0).describe('AdamW weight decay'),
+  grad_clip: z.number().positive().default(1).describe('gradient norm clip'),
+  clip_low: z.number().min(0).default(0.2).describe('PPO clip: ratio >= 1 - clip_low'),
+  clip_high: z.number().min(0).default(0.2).describe('PPO clip: ratio <= 1 + clip_high'),
+  dual_clip: z.number().gt(1).nullable().default(null).describe('dual clip bound for negative advantages (null = off)'),
   // Formulas in gpu-services/algorithm.py (rollout_correction); the same refusals as contract.py's RolloutCorrection.
   rollout_correction: z.strictObject({
-    level: z.enum(['off', 'token', 'seq', 'geo']).default('off'),
-    mode: z.enum(['mask', 'clip', 'trunc']).default('mask'),
-    gate: z.enum(['ratio', 'binary_kl', 'tv']).default('ratio'),
-    low: z.number().default(0.5), // ratio gate: kept if low <= ratio <= high; binary_kl and tv: kept if <= high
-    high: z.number().default(5),
+    level: z.enum(['off', 'token', 'seq', 'geo']).default('off')
+      .describe('engine/actor mismatch correction: off, per token, per sequence, geometric mean'),
+    mode: z.enum(['mask', 'clip', 'trunc']).default('mask')
+      .describe('a token out of range: masked, clipped or truncated'),
+    gate: z.enum(['ratio', 'binary_kl', 'tv']).default('ratio')
+      .describe('what keeps or drops: the ratio, binary KL, total variation'),
+    low: z.number().default(0.5).describe('ratio gate: kept if low <= ratio'),
+    high: z.number().default(5).describe('ratio gate: kept if ratio <= high; binary_kl and tv: kept if <= high'),
   }).superRefine((rc, ctx) => {
     const refuse = (path: string, message: string) => ctx.addIssue({ code: 'custom', path: [path], message });
     if ((rc.level === 'seq' || rc.level === 'geo') && rc.mode !== 'mask') {
@@ -46,24 +51,26 @@ const algo = z.strictObject({
       refuse('low', `rollout_correction needs low <= high, got low ${rc.low} and high ${rc.high}`);
     }
   }).default({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 }),
-  max_staleness: z.number().int().min(0).nullable().default(null),
-  kl_estimator: z.enum(['k1', 'k2', 'k3']).default('k3'),
-  kl_coef: LIVE_SETTINGS['algo.kl_coef'].default(0),
-  entropy_coef: LIVE_SETTINGS['algo.entropy_coef'].default(0),
-  gamma: z.number().min(0).max(1).default(1),
+  max_staleness: z.number().int().min(0).nullable().default(null)
+    .describe('tokens more versions behind the policy are masked or their group dropped (null = no limit)'),
+  kl_estimator: z.enum(['k1', 'k2', 'k3']).default('k3').describe('KL estimator against the reference policy'),
+  kl_coef: LIVE_SETTINGS['algo.kl_coef'].default(0).describe('KL penalty coefficient; live: `set`'),
+  entropy_coef: LIVE_SETTINGS['algo.entropy_coef'].default(0).describe('entropy bonus coefficient; live: `set`'),
+  gamma: z.number().min(0).max(1).default(1).describe('discount over the turns of an episode'),
   // c: rewards clamped to [-c, c]; [low, high]: to that range
   reward_clip: z.union([
     z.number().positive(),
     z.tuple([z.number(), z.number()]).refine(([low, high]) => low < high, 'reward_clip [low, high] needs low < high'),
-  ]).default(10),
+  ]).default(10).describe('c: rewards clamped to [-c, c]; [low, high]: to that range'),
   // MoE: the engine records each sampled token's experts and the actor trains through them
-  routing_replay: z.boolean().default(false),
-  micro_batch_tokens: z.number().int().positive().default(8192),
+  routing_replay: z.boolean().default(false).describe('MoE: the actor trains through the experts the engine chose'),
+  micro_batch_tokens: z.number().int().positive().default(8192).describe('tokens per actor micro-batch (memory)'),
   // How the token losses add up to the step's loss (formulas in gpu-services/algorithm.py, loss_divisor);
   // seq-mean-token-sum-norm divides by a constant token budget per sequence, loss_agg_tokens (Dr. GRPO).
   loss_agg: z.enum(['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean', 'seq-mean-token-sum-norm'])
-    .default('token-mean'),
-  loss_agg_tokens: z.number().int().positive().nullable().default(null),
+    .default('token-mean').describe('how token losses add up to the step loss'),
+  loss_agg_tokens: z.number().int().positive().nullable().default(null)
+    .describe('seq-mean-token-sum-norm: the constant token budget per sequence'),
 }).superRefine((a, ctx) => {
   if (a.loss_agg === 'seq-mean-token-sum-norm' && a.loss_agg_tokens === null) {
     ctx.addIssue({
@@ -75,10 +82,10 @@ const algo = z.strictObject({
 });
 
 export const RecipeConfig = z.strictObject({
-  name: z.string().min(1),
+  name: z.string().min(1).describe('recipe name; default run ids start with it'),
   agent: z.string().min(1).describe('agent module path, relative to the recipe folder'),
   model: z.string().min(1).describe('local HF model directory, or "tiny" for the generated tiny model'),
-  seed: z.number().int().default(0),
+  seed: z.number().int().default(0).describe('run seed: tasks and sampling seeds derive from it'),
   group_size: z.number().int().positive().describe('episodes per prompt group (G)'),
   // The settings `molt-client set` may change on a running run are in agents/live-settings.ts.
   pool: z.strictObject({ inflight: LIVE_SETTINGS['pool.inflight'] }),
@@ -86,22 +93,25 @@ export const RecipeConfig = z.strictObject({
   // async: groups keep generating while a step trains (tokens may be a few versions stale). sync: the
   // same activities with no overlap: generate one batch with the current weights, train, refit, repeat
   // (the baseline of bench/learning.ts, and a mode for debugging).
-  loop: z.enum(['async', 'sync']).default('async'),
+  loop: z.enum(['async', 'sync']).default('async')
+    .describe('async: groups generate while a step trains; sync: no overlap'),
   // What to do with groups whose tokens exceed algo.max_staleness: mask those tokens, or drop the group.
-  staleness_mode: z.enum(['mask', 'drop']).default('mask'),
-  train: z.strictObject({ steps: z.number().int().positive() }),
-  checkpoint: z.strictObject({ every: z.number().int().positive() }),
+  staleness_mode: z.enum(['mask', 'drop']).default('mask')
+    .describe('tokens over algo.max_staleness: mask them, or drop the group'),
+  train: z.strictObject({ steps: z.number().int().positive().describe('optimizer steps of the run') }),
+  checkpoint: z.strictObject({ every: z.number().int().positive().describe('a checkpoint every this many steps') }),
   sampling,
   algo,
   engines: z.strictObject({
-    count: z.number().int().positive().default(1),
-    backend: z.enum(['torch', 'vllm']).default('torch'),
+    count: z.number().int().positive().default(1).describe('rollout engines of a local stack'),
+    backend: z.enum(['torch', 'vllm']).default('torch').describe('torch: reference engine (CPU, GPU); vllm'),
   }).default({ count: 1, backend: 'torch' }),
   actor: z.strictObject({
-    world_size: z.number().int().positive().default(1),
-    offload_optimizer: z.boolean().default(false),
+    world_size: z.number().int().positive().default(1).describe('actor ranks (torchrun, FSDP2)'),
+    offload_optimizer: z.boolean().default(false).describe('optimizer state in CPU memory'),
   }).default({ world_size: 1, offload_optimizer: false }),
-  max_context: z.number().int().positive().default(1024),
+  max_context: z.number().int().positive().default(1024)
+    .describe('tokens per trajectory at most (prompt and every turn)'),
   rollout: z.strictObject({
     // A group whose failed episodes (the agent threw, the engine refused) exceed this fraction of
     // group_size fails the run: a broken agent should stop a run, not train on what is left.
@@ -113,10 +123,10 @@ export const RecipeConfig = z.strictObject({
   // Evaluation on held-out prompt groups (group indexes EVAL_GROUP_BASE + i, never trained), every
   // `every` steps (0 = never): per prompt one greedy episode (temperature 0) and `samples` sampled ones.
   eval: z.strictObject({
-    every: z.number().int().min(0).default(0),
-    prompts: z.number().int().positive().default(16),
-    samples: z.number().int().positive().default(4),
-    greedy: z.boolean().default(true),
+    every: z.number().int().min(0).default(0).describe('evaluate held-out prompts every this many steps (0 = never)'),
+    prompts: z.number().int().positive().default(16).describe('held-out prompt groups per evaluation'),
+    samples: z.number().int().positive().default(4).describe('sampled episodes per prompt (pass@n)'),
+    greedy: z.boolean().default(true).describe('also one greedy episode per prompt'),
   }).default({ every: 0, prompts: 16, samples: 4, greedy: true }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
 });
