@@ -122,9 +122,9 @@ test('a refit whose resume failed leaves no engine paused: the retry resumes it'
   const proxy = await faultProxy(engine.url);
   try {
     const viaProxy = { ...endpoints, engines: [proxy.url] };
-    proxy.resetNext('/resume');
+    proxy.once('/resume', async () => 'reset');
     await expect(inActivity(() => refit(viaProxy, { runId: 'r', version: 5 }))).rejects.toThrow(/resuming failed: POST .*\/resume failed/);
-    expect(proxy.resets).toBe(1);
+    expect(proxy.fired).toBe(1);
     expect(await callService<EngineHealth>(engine.url, '/health', TOKEN)).toMatchObject({ version: 5, paused: true });
     expect(await inActivity(() => refit(viaProxy, { runId: 'r', version: 5 }))).toEqual({ version: 5, seconds: 0, bytes: 0 });
     expect(await callService<EngineHealth>(engine.url, '/health', TOKEN)).toMatchObject({ version: 5, paused: false });
