@@ -3,7 +3,7 @@
 // fresh stack, through Temporal as a user runs it), plus async with the engines slowed by a CPU
 // quota and a deeper pool, so that the data is several versions stale.
 //
-//   npm run bench:learning [-- --seeds 3 --tasks copy,reverse --no-slow --steps N]
+//   npm run bench:learning [-- --seeds 3 --tasks copy,reverse --no-slow --steps N --out DIR --set algo.lr=3e-3,...]
 //
 // Writes bench-out/learning/report.json (every curve), report.md (the table) and curves.png.
 import { execFileSync } from 'node:child_process';
@@ -15,7 +15,6 @@ import { loadRecipe, REPO_ROOT, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { withStack } from './loops';
 
-const OUT = path.join(REPO_ROOT, 'bench-out', 'learning');
 const TARGET = 0.9; // reward a run must reach (moving average of SMOOTH steps)
 const SMOOTH = 10;
 const COLLAPSE = 0.3; // a fall of the moving average by more than this from its running max
@@ -44,10 +43,9 @@ interface Curve {
   masked: number; // trained-on tokens masked as too stale, over the run
 }
 
-async function runOnce(task: string, v: Variant, seed: number, steps: number | undefined): Promise<Curve> {
+async function runOnce(task: string, v: Variant, seed: number, extra: Record<string, string>): Promise<Curve> {
   const t = TASKS[task];
-  const overrides: Record<string, string> = { ...t.overrides, seed: String(seed), loop: v.loop };
-  if (steps !== undefined) overrides['train.steps'] = String(steps);
+  const overrides: Record<string, string> = { ...t.overrides, ...extra, seed: String(seed), loop: v.loop };
   let config: RecipeConfig = loadRecipe(path.join(REPO_ROOT, t.recipe), overrides);
   if (v.slow) config = { ...config, pool: { inflight: 4 * config.batch.groups } };
   return withStack(config, true, async (stack) => {
@@ -163,7 +161,12 @@ async function main() {
   const { values } = parseArgs({ options: {
     seeds: { type: 'string', default: '3' }, tasks: { type: 'string', default: 'copy,reverse' },
     'no-slow': { type: 'boolean', default: false }, steps: { type: 'string' }, variants: { type: 'string' },
+    out: { type: 'string', default: path.join(REPO_ROOT, 'bench-out', 'learning') },
+    set: { type: 'string', default: '' }, // recipe overrides for every run: key=value,key=value
   } });
+  const OUT = path.resolve(values.out!);
+  const extra = Object.fromEntries(values.set!.split(',').filter(Boolean).map((kv) => kv.split('=') as [string, string]));
+  if (values.steps !== undefined) extra['train.steps'] = values.steps;
   const seeds = [...Array(Number(values.seeds)).keys()];
   const tasks = values.tasks!.split(',');
   for (const t of tasks) if (!TASKS[t]) throw new Error(`unknown task ${t} (${Object.keys(TASKS).join(', ')})`);
@@ -183,7 +186,7 @@ async function main() {
       // Sync and async of one seed back to back, so that both see the machine in the same state.
       for (const v of variants.filter((x) => task === 'copy' || !x.slow)) {
         console.error(`[bench:learning] ${task} ${v.name} seed ${seed}`);
-        curves.push(await runOnce(task, v, seed, values.steps === undefined ? undefined : Number(values.steps)));
+        curves.push(await runOnce(task, v, seed, extra));
         save();
         const s = summarize(curves[curves.length - 1]);
         console.error(`[bench:learning]   ${s.steps} steps in ${s.seconds.toFixed(0)} s, final reward ${s.finalReward.toFixed(3)}, ` +

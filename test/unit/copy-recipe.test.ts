@@ -37,3 +37,13 @@ test('recipe.json is a valid recipe that answers exactly 3 tokens', () => {
   expect(config.group_size).toBe(8);
   expect(fs.existsSync(path.join(REPO_ROOT, 'recipes', 'copy', config.agent))).toBe(true);
 });
+
+test('env.reverse prompts `reverse xyz>` and rewards the letters backwards', async () => {
+  const env = AgentRunner.createEnv({ letters: 'abcd', length: 3, reverse: true });
+  const { observation } = await env.reset({ groupIndex: 0, episode: 0, seed: 11 });
+  const shown = copyTarget(11, 'abcd', 3);
+  expect(observation).toBe(`reverse ${shown}>`);
+  const backwards = [...shown].reverse().join('');
+  expect(await env.step({ text: backwards, tokenIds: [] })).toMatchObject({ reward: 1 });
+  if (backwards !== shown) expect((await env.step({ text: shown, tokenIds: [] })).reward).toBeLessThan(1);
+});
