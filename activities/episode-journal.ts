@@ -5,18 +5,20 @@
 // Every engine call of the episode (Env form: the framework's turns; ChatAgent form: what the
 // loopback server asked for) goes through `generate`. The journal records each answered call, and
 // the call in progress as its sampled ids so far (tokens, logprobs, versions), saved every
-// `chunkTokens` sampled tokens. A generation is asked of the engine in chunks of that many tokens,
-// over the router, so the partial is known without a streaming path through the router (which
-// keeps placement and failover).
+// `every.tokens` sampled tokens or `every.seconds` seconds, whichever comes first. The engine streams
+// the call's tokens over the router as it samples them; one that dies mid-stream is left, and the
+// call goes on from the ids that arrived on another engine.
 //
 // On the retry the episode's agent runs again from the start. Its k-th call is answered from the
-// journal when it asks for exactly the same prompt ids (sha256) as the k-th recorded call; the call
-// that was in progress continues on the engine from its saved ids. An agent that asks something else
-// than before (it is not deterministic) gets fresh generations from that call on.
+// journal when it asks for exactly the same prompt ids (sha256) as the k-th recorded call: calls are
+// keyed by their order, so an agent that asks the same thing twice on purpose gets both of its
+// recorded samples back, in order. The call that was in progress continues on the engine from its
+// saved ids. An agent that asks something else than before (it is not deterministic) gets fresh
+// generations from that call on.
 import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import type { GenerateRequest, GenerateResponse } from './gpu-client';
+import { ServiceError, type GenerateChunk, type GenerateRequest, type GenerateResponse } from './gpu-client';
 import { writeFileAtomic } from './store';
 import { deriveSeed } from '../agents/env-runner';
 
@@ -28,8 +30,12 @@ interface RecordedCall extends Sampled {
 }
 export interface JournalFile {
   calls: RecordedCall[]; // answered calls, in order
-  current: (Sampled & { prompt: string }) | null; // the call in progress: what it has sampled so far
+  // the call in progress: what it has sampled so far
+  current: (Sampled & { prompt: string; routed_experts?: RecordedCall['routed_experts'] }) | null;
 }
+// The engine, bound to the episode's router session: streams when given onChunk (see EngineRouter).
+export type EngineCall = (body: GenerateRequest, onChunk: (chunk: GenerateChunk) => boolean)
+  => Promise<GenerateResponse>;
 
 export function journalKey(runId: string, group: number, episode: number): string {
   return `${runId}/partials/g${group}/e${episode}.json`;
@@ -58,20 +64,23 @@ export class EpisodeJournal {
   private resume: JournalFile['current'];
   private saving: Promise<void> = Promise.resolve();
   private saveQueued = false;
+  private lastSave = { tokens: 0, at: Date.now() };
+  private savedTokens = 0;
 
   constructor(
     private readonly storeRoot: string,
     readonly key: string,
     previous: JournalFile | null,
-    private readonly chunkTokens: number,
+    private readonly every: { tokens: number; seconds: number }, // save the call in progress this often
     private readonly onSaved: () => void, // e.g. heartbeat the manifest
   ) {
     this.replay = previous?.calls ?? [];
     this.resume = previous?.current ?? null;
   }
 
-  // One engine call of the episode; `engine` is the router bound to the episode's session.
-  async generate(body: GenerateRequest, engine: (body: GenerateRequest) => Promise<GenerateResponse>): Promise<GenerateResponse> {
+  // One engine call of the episode. onToken (the loopback server's session) sees each sampled id as
+  // it arrives, replayed and resumed ones included; true back ends the call after that id ("stop").
+  async generate(body: GenerateRequest, engine: EngineCall, onToken?: (id: number) => boolean): Promise<GenerateResponse> {
     const prompt = promptHash(body.prompt_token_ids);
     const index = this.recorded.calls.length;
     if (index < this.replay.length) {
@@ -79,59 +88,98 @@ export class EpisodeJournal {
       if (old.prompt === prompt) {
         this.recorded.calls.push(old);
         this.stats.replayedCalls++;
+        for (const id of old.token_ids) if (onToken?.(id)) break;
         const { prompt: _, ...reply } = old;
         return { request_id: `journal-${index}`, ...reply };
       }
       this.replay = []; // the agent went another way: nothing after this point can be replayed
       this.resume = null;
     }
-    const current = { prompt, token_ids: [] as number[], logprobs: [] as number[], versions: [] as number[] };
-    if (index === this.replay.length && this.resume?.prompt === prompt) {
-      Object.assign(current, structuredClone(this.resume));
-      this.stats.resumedTokens += current.token_ids.length;
-    }
-    this.resume = null;
+    const routedCall = body.return_routed_experts === true;
+    const current: NonNullable<JournalFile['current']> = { prompt, token_ids: [], logprobs: [], versions: [] };
+    if (routedCall) current.routed_experts = [];
     this.recorded.current = current;
+    let stopped = false; // onToken ended the call
+    const take = (id: number, logprob: number, version: number, routed?: number[][]) => {
+      current.token_ids.push(id);
+      current.logprobs.push(logprob);
+      current.versions.push(version);
+      if (routed) current.routed_experts!.push(routed);
+      return (stopped = onToken?.(id) ?? false);
+    };
+    // A partial of a call with routed experts resumes only if it kept them.
+    const resumed = this.resume;
+    this.resume = null;
+    if (index === this.replay.length && resumed?.prompt === prompt && (!routedCall || resumed.routed_experts)) {
+      this.stats.resumedTokens += resumed.token_ids.length;
+      const { token_ids: ids, logprobs, versions, routed_experts: routed } = resumed;
+      ids.some((id, i) => take(id, logprobs[i], versions[i], routed?.[i]));
+    }
 
     const maxTokens = body.sampling.max_tokens;
     const stopIds = new Set(body.sampling.stop_token_ids);
+
     let finish: GenerateResponse['finish_reason'] = 'length';
-    let routed: GenerateResponse['routed_experts'];
     try {
-      // Routed experts come back whole, not per chunk: such a call is journaled only once answered.
-      const chunk = body.return_routed_experts ? maxTokens : this.chunkTokens;
       for (;;) {
         const have = current.token_ids.length;
-        const last = current.token_ids[have - 1];
-        if (have && stopIds.has(last)) { finish = 'stop'; break; } // resumed right after the stop token
+        if (stopped || (have && stopIds.has(current.token_ids[have - 1]))) { // resumed right after a stop
+          finish = 'stop';
+          break;
+        }
         if (have >= maxTokens) { finish = 'length'; break; }
-        const want = Math.min(chunk, maxTokens - have);
-        // The first part keeps the caller's seed; later parts draw their own stream from it.
-        const seed = body.sampling.seed === undefined || have === 0 ? body.sampling.seed : deriveSeed(body.sampling.seed, have);
-        const res = await engine({
-          ...body,
-          prompt_token_ids: [...body.prompt_token_ids, ...current.token_ids],
-          sampling: { ...body.sampling, max_tokens: want, ...(seed === undefined ? {} : { seed }) },
-        });
-        current.token_ids.push(...res.token_ids);
-        current.logprobs.push(...res.logprobs);
-        current.versions.push(...res.versions);
-        this.stats.generatedTokens += res.token_ids.length;
-        routed = res.routed_experts;
-        finish = res.finish_reason;
-        // Go on only when the chunk limit (not a stop, an abort, or the model's own length limit) ended it.
-        if (!(res.finish_reason === 'length' && res.token_ids.length === want && current.token_ids.length < maxTokens)) break;
-        void this.save().catch(() => undefined); // a failed save surfaces at the next awaited one
+        // The first part keeps the caller's seed; a continuation draws its own stream from it.
+        const { seed: first } = body.sampling;
+        const seed = first === undefined || have === 0 ? first : deriveSeed(first, have);
+        let arrived = 0;
+        try {
+          const res = await engine({
+            ...body,
+            prompt_token_ids: [...body.prompt_token_ids, ...current.token_ids],
+            sampling: { ...body.sampling, max_tokens: maxTokens - have, ...(seed === undefined ? {} : { seed }) },
+          }, (chunk) => {
+            for (const [i, id] of chunk.token_ids.entries()) {
+              arrived++;
+              this.stats.generatedTokens++;
+              if (take(id, chunk.logprobs[i], chunk.versions[i], chunk.routed_experts?.[i])) return true;
+            }
+            if (!routedCall) this.saveIfDue();
+            return false;
+          });
+          // An engine call that did not stream hands over its ids here.
+          for (let i = arrived; i < res.token_ids.length && !stopped; i++) {
+            this.stats.generatedTokens++;
+            take(res.token_ids[i], res.logprobs[i], res.versions[i], res.routed_experts?.[i]);
+          }
+          finish = stopped ? 'stop' : res.finish_reason;
+          break;
+        } catch (e) {
+          // The engine died mid-stream: go on from the ids that arrived (the router picks another).
+          const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
+          if (!(retryable && arrived > 0 && !stopped)) throw e;
+        }
       }
     } catch (e) {
       await this.save().catch(() => undefined); // keep what was sampled for the retry
       throw e;
     }
-    const { prompt: _, ...sampled } = current;
-    this.recorded.calls.push({ prompt, ...sampled, finish_reason: finish, ...(routed ? { routed_experts: routed } : {}) });
+    const { prompt: _, routed_experts: routed, ...sampled } = current;
+    const reply = { ...sampled, finish_reason: finish, ...(routed ? { routed_experts: routed } : {}) };
+    this.recorded.calls.push({ prompt, ...reply });
     this.recorded.current = null;
     await this.save();
-    return { request_id: `journal-${index}`, ...sampled, finish_reason: finish, ...(routed ? { routed_experts: routed } : {}) };
+    return { request_id: `journal-${index}`, ...reply };
+  }
+
+  // The call in progress is saved every `every.tokens` sampled tokens or `every.seconds` seconds,
+  // whichever comes first (a slow engine loses seconds of work, not a token count's worth).
+  private saveIfDue(): void {
+    const tokens = this.sampled();
+    const due = tokens - this.lastSave.tokens >= this.every.tokens
+      || (tokens > this.lastSave.tokens && Date.now() - this.lastSave.at >= this.every.seconds * 1000);
+    if (!due) return;
+    this.lastSave = { tokens, at: Date.now() };
+    void this.save().catch(() => undefined); // a failed save surfaces at the next awaited one
   }
 
   // Saves are serialized and coalesced: at most one queued behind the one being written, and that
@@ -141,7 +189,9 @@ export class EpisodeJournal {
       this.saveQueued = true;
       this.saving = this.saving.then(async () => {
         this.saveQueued = false;
-        await writeFileAtomic(path.join(this.storeRoot, this.key), JSON.stringify(this.recorded));
+        const [text, tokens] = [JSON.stringify(this.recorded), this.sampled()]; // tokens keep arriving while it is written
+        await writeFileAtomic(path.join(this.storeRoot, this.key), text);
+        this.savedTokens = tokens;
         this.onSaved();
       });
     }
@@ -150,6 +200,10 @@ export class EpisodeJournal {
 
   // Sampled tokens of the journal as saved: answered calls plus the call in progress.
   tokens(): number {
+    return this.savedTokens;
+  }
+
+  private sampled(): number {
     return this.recorded.calls.reduce((n, c) => n + c.token_ids.length, 0) + (this.recorded.current?.token_ids.length ?? 0);
   }
 }

@@ -24,7 +24,13 @@ function validator(model: string): ValidateFunction {
 export interface SamplingParams {
   max_tokens: number; temperature: number; top_p: number; top_k: number; stop_token_ids: number[]; seed?: number;
 }
-export interface GenerateRequest { prompt_token_ids: number[]; sampling: SamplingParams; request_id?: string; return_routed_experts?: boolean }
+export interface GenerateRequest {
+  prompt_token_ids: number[]; sampling: SamplingParams; request_id?: string; stream?: boolean; return_routed_experts?: boolean;
+}
+export interface GenerateChunk {
+  token_ids: number[]; logprobs: number[]; versions: number[];
+  finish_reason?: GenerateResponse['finish_reason'] | null; routed_experts?: number[][][] | null;
+}
 export interface GenerateResponse {
   request_id: string; token_ids: number[]; logprobs: number[]; versions: number[];
   finish_reason: 'stop' | 'length' | 'abort'; routed_experts?: number[][][] | null;
@@ -93,4 +99,78 @@ export async function callService<T>(baseUrl: string, route: string, token: stri
   }
   if (opts.response) check(opts.response, json, `response from ${method} ${url}`, 502);
   return json as T;
+}
+
+// POST /generate streamed: the engine's NDJSON lines (GenerateChunk, each checked) go to onChunk as
+// they arrive; onChunk returning true ends the request there (the connection is closed, which aborts
+// it in the engine) and the reply is what arrived, finish_reason "stop". Returns the whole reply.
+// timeoutMs: as for callService, the whole stream.
+export async function streamGenerate(baseUrl: string, token: string, body: GenerateRequest,
+  onChunk: (chunk: GenerateChunk) => boolean, signal?: AbortSignal, timeoutMs?: number): Promise<GenerateResponse> {
+  const url = baseUrl.replace(/\/+$/, '') + '/generate';
+  const request = { ...body, stream: true };
+  check('GenerateRequest', request, `request to ${url}`, 400);
+  const done = new AbortController();
+  const deadline = timeoutMs === undefined ? undefined : AbortSignal.timeout(timeoutMs);
+  const out: GenerateResponse = {
+    request_id: body.request_id ?? '', token_ids: [], logprobs: [], versions: [], finish_reason: 'abort',
+  };
+  let finished = false;
+  let res: Response;
+  try {
+    res = await fetch(url, {
+      method: 'POST', body: JSON.stringify(request),
+      signal: AbortSignal.any([done.signal, ...[signal, deadline].filter((x) => x !== undefined)]),
+      headers: { authorization: `Bearer ${token}`, 'content-type': 'application/json' },
+    });
+    if (!res.ok) {
+      const text = await res.text();
+      let detail = text.slice(0, 200);
+      try { detail = JSON.parse(text)?.error ?? detail; } catch { /* not JSON */ }
+      throw new ServiceError(`POST ${url}: HTTP ${res.status}: ${detail}`, res.status);
+    }
+    const status = res.status;
+    const take = (line: string): boolean => { // true: no more lines wanted
+      let chunk: GenerateChunk;
+      try {
+        chunk = JSON.parse(line);
+      } catch {
+        throw new ServiceError(`POST ${url}: HTTP ${status}, body is not JSON: ${line.slice(0, 200)}`, status);
+      }
+      check('GenerateChunk', chunk, `response from POST ${url}`, 502);
+      out.token_ids.push(...chunk.token_ids);
+      out.logprobs.push(...chunk.logprobs);
+      out.versions.push(...chunk.versions);
+      if (chunk.routed_experts) (out.routed_experts ??= []).push(...chunk.routed_experts);
+      if (chunk.finish_reason) [out.finish_reason, finished] = [chunk.finish_reason, true];
+      return (stopped = onChunk(chunk)) || finished;
+    };
+    const decoder = new TextDecoder();
+    let buffered = '';
+    let stopped = false;
+    read: for await (const bytes of res.body as unknown as AsyncIterable<Uint8Array>) {
+      buffered += decoder.decode(bytes, { stream: true });
+      let nl: number;
+      while ((nl = buffered.indexOf('\n')) >= 0) {
+        const line = buffered.slice(0, nl);
+        buffered = buffered.slice(nl + 1);
+        if (line.trim() && take(line)) break read; // leaving the loop cancels the body
+      }
+    }
+    if (!stopped && !finished && buffered.trim()) take(buffered); // a last line without its newline
+    if (stopped) {
+      done.abort(); // the connection closes: the engine ends the request
+      return { ...out, finish_reason: 'stop' };
+    }
+    if (finished) return out;
+  } catch (e) {
+    if (e instanceof ServiceError) throw e;
+    const after = out.token_ids.length ? ` (${out.token_ids.length} tokens arrived)` : '';
+    if (deadline?.aborted && !signal?.aborted) {
+      throw new ServiceError(`POST ${url}: not answered within ${timeoutMs! / 1000} s${after}`);
+    }
+    const cause = (e as any)?.cause?.message ?? (e as Error).message;
+    throw new ServiceError(`POST ${url} failed${out.token_ids.length ? ` after ${out.token_ids.length} tokens` : ''}: ${cause}`);
+  }
+  throw new ServiceError(`POST ${url}: the stream ended without a finish_reason after ${out.token_ids.length} tokens`);
 }

@@ -40,7 +40,9 @@ export interface RolloutManifest {
 // router session, it returns the episode's segments (one trajectory each) and its reward.
 // Evaluation (activities/evaluate.ts) runs its episodes through the same runners.
 export interface Episode { segments: Trajectory[]; reward: number; finish: string }
-export type EpisodeRunner = (episode: number, generate: (body: GenerateRequest) => Promise<GenerateResponse>) => Promise<Episode>;
+// generate streams the sampled ids to onToken when given (see EpisodeJournal.generate).
+export type EpisodeRunner = (episode: number,
+  generate: (body: GenerateRequest, onToken?: (id: number) => boolean) => Promise<GenerateResponse>) => Promise<Episode>;
 
 // The recipe's agent module; one that does not load fails the same way on every retry: stop at once.
 export async function loadRecipeAgent(recipeDir: string, config: RecipeConfig): Promise<{ modulePath: string; runner: EnvAgentRunner | ChatAgentRunner }> {
@@ -74,14 +76,15 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     const session = `${runId}/g${groupIndex}/e${episode}`;
     // The journal's key is deterministic: a retry finds it even if the heartbeat naming it was lost.
     const key = journalKey(runId, groupIndex, episode);
-    const journal = new EpisodeJournal(endpoints.storeRoot, key, readJournal(endpoints.storeRoot, key), config.rollout.partial_tokens, () => {
+    const every = { tokens: config.rollout.partial_tokens, seconds: config.rollout.partial_seconds };
+    const journal = new EpisodeJournal(endpoints.storeRoot, key, readJournal(endpoints.storeRoot, key), every, () => {
       if (episode in manifest.done) return;
       manifest.partial![episode] = { ref: key, tokens: journal.tokens() };
       ctx.heartbeat(manifest);
     });
     try {
-      const result = await runAgentEpisode(episode,
-        (body) => journal.generate(body, (part) => router.generate(session, part, ctx.cancellationSignal)));
+      const result = await runAgentEpisode(episode, (body, onToken) =>
+        journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk), onToken));
       if (journal.stats.replayedCalls || journal.stats.resumedTokens) {
         ctx.log.info('episode resumed from its journal', { groupIndex, episode, ...journal.stats });
       }
@@ -203,11 +206,11 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
     // real one, so it fails the episode (a 400) or the activity (retried) exactly as in the Env form.
     let engineError: unknown;
     let call = 0;
-    const generate: GenerateFn = async (_chatSession, ids, sampling) => {
+    const generate: GenerateFn = async (_chatSession, ids, sampling, onToken) => {
       try {
         // Unless the agent asked for a seed: a reproducible stream per (run, group, episode, call).
         const seed = sampling.seed ?? deriveSeed(config.seed, task.groupIndex, episode, call++);
-        return await generateOnEngine({ prompt_token_ids: ids, sampling: { ...sampling, seed } });
+        return await generateOnEngine({ prompt_token_ids: ids, sampling: { ...sampling, seed } }, onToken);
       } catch (e) {
         engineError ??= e;
         throw e;

@@ -3,15 +3,24 @@
 // session is reachable only through its unguessable id in the path (/s/<id>/v1/...) and its api key.
 //
 // Every request field is either honoured or refused with a 400 naming it: nothing that changes
-// sampling is silently ignored.
+// sampling is silently ignored. Streamed replies are streamed as the engine samples them.
+//
+// Retries are told from deliberate repeats by what the client says: the openai and @anthropic-ai/sdk
+// clients send x-stainless-retry-count (0, then 1, 2, ... on their own retries), and any client may
+// send an Idempotency-Key (the same key and body: the same request). A retry gets the reply its
+// request got; any other request, identical or not, is a new sample (best-of-n, self-consistency).
+import { createHash, randomBytes } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import type { ChatMessage, ToolSpec } from './chat-template';
-import { ChatSession, type Sampling, type SessionOptions, type TurnReply, type TurnRequest } from './chat-session';
+import {
+  ChatSession, type Choice, type Sampling, type SessionOptions, type TurnReply, type TurnRequest,
+} from './chat-session';
 
 const LOOPBACK_HOSTS = new Set(['127.0.0.1', 'localhost', '::1']);
 const MAX_BODY_BYTES = 16 * 1024 * 1024;
 const MODEL_NAME = 'policy';
+const MAX_N = 64; // OpenAI n: samples of one request
 
 class BadRequest extends Error {}
 const bad = (message: string): never => { throw new BadRequest(message); };
@@ -23,7 +32,9 @@ export class LoopbackServer {
 
   static async start(host = '127.0.0.1'): Promise<LoopbackServer> {
     // The server hands the policy to any caller: it must never be reachable from another machine.
-    if (!LOOPBACK_HOSTS.has(host)) throw new Error(`loopback server: refusing to bind ${host}; only 127.0.0.1 is allowed`);
+    if (!LOOPBACK_HOSTS.has(host)) {
+      throw new Error(`loopback server: refusing to bind ${host}; only 127.0.0.1 is allowed`);
+    }
     const server = http.createServer();
     await new Promise<void>((resolve, reject) => {
       server.once('error', reject);
@@ -57,6 +68,7 @@ export class LoopbackServer {
 
   private async handle(req: http.IncomingMessage, res: http.ServerResponse): Promise<void> {
     const api = req.url?.includes('/v1/messages') ? 'anthropic' : 'openai';
+    let stream: ReplyStream | undefined;
     try {
       const match = /^\/s\/([0-9a-f]+)\/v1\/(models|chat\/completions|messages)$/.exec((req.url ?? '').split('?')[0]);
       const session = match && this.sessions.get(match[1]);
@@ -65,25 +77,32 @@ export class LoopbackServer {
       if (key !== session.apiKey) return sendError(res, api, 401, 'wrong or missing api key for this session');
       const route = `${req.method} ${match[2]}`;
       if (route === 'GET models') {
-        return sendJson(res, 200, { object: 'list', data: [{ id: MODEL_NAME, object: 'model', created: 0, owned_by: 'molt' }] });
+        const model = { id: MODEL_NAME, object: 'model', created: 0, owned_by: 'molt' };
+        return sendJson(res, 200, { object: 'list', data: [model] });
       }
-      if (route !== 'POST chat/completions' && route !== 'POST messages') return sendError(res, api, 405, `${route} is not served`);
+      if (route !== 'POST chat/completions' && route !== 'POST messages') {
+        return sendError(res, api, 405, `${route} is not served`);
+      }
       const body = await readJson(req);
-      if (api === 'openai') {
-        const { turn, stream, includeUsage } = openaiTurn(body, session);
+      const parsed = api === 'openai' ? openaiTurn(body) : anthropicTurn(body, session);
+      const idempotencyKey = req.headers['idempotency-key'];
+      const keyed = typeof idempotencyKey === 'string' && idempotencyKey !== '';
+      const turn: TurnRequest = {
+        ...parsed.turn,
+        key: createHash('sha256').update(JSON.stringify([api, keyed ? idempotencyKey : null, body])).digest('hex'),
+        retry: keyed || Number(req.headers['x-stainless-retry-count'] ?? 0) > 0,
+      };
+      if (!parsed.stream) {
         const reply = await session.turn(turn);
-        if (stream) sendSse(res, [...openaiChunks(reply, includeUsage).map((data) => ({ data })), { data: '[DONE]' }]);
-        else sendJson(res, 200, openaiCompletion(reply));
-      } else {
-        const { turn, stream, stopSequences } = anthropicTurn(body, session);
-        const reply = await session.turn(turn);
-        const message = anthropicMessage(reply, stopSequences);
-        if (stream) sendSse(res, anthropicEvents(message));
-        else sendJson(res, 200, message);
+        return sendJson(res, 200, api === 'openai' ? openaiCompletion(reply) : anthropicMessage(reply));
       }
+      stream = api === 'openai' ? openaiStream(res, parsed.includeUsage) : anthropicStream(res);
+      stream.end(await session.turn(turn, stream.text));
     } catch (e) {
-      if (e instanceof BadRequest) return sendError(res, api, 400, e.message);
-      sendError(res, api, 502, `generation failed: ${(e as Error).message}`);
+      const [status, message] = e instanceof BadRequest ? [400, e.message]
+        : [502, `generation failed: ${(e as Error).message}`];
+      if (stream?.started) return stream.fail(status, message); // the status line is gone: an error event
+      sendError(res, api, status, message);
     }
   }
 }
@@ -98,7 +117,9 @@ function allowOnly(body: Record<string, unknown>, allowed: string[], api: string
 
 function checkNumber(value: unknown, name: string, ok: (v: number) => boolean, rule: string): number | undefined {
   if (value === undefined || value === null) return undefined;
-  if (typeof value !== 'number' || !Number.isFinite(value) || !ok(value)) bad(`${name} must be ${rule}, got ${JSON.stringify(value)}`);
+  if (typeof value !== 'number' || !Number.isFinite(value) || !ok(value)) {
+    bad(`${name} must be ${rule}, got ${JSON.stringify(value)}`);
+  }
   return value as number;
 }
 
@@ -113,17 +134,14 @@ function samplingFrom(body: Record<string, unknown>, maxTokens: unknown, maxToke
   return s;
 }
 
-// Stop strings become engine stop ids. A string that is not exactly one token cannot stop the
-// engine at a token boundary without cutting sampled ids, so it is refused.
-function stopIds(stops: unknown, name: string, session: ChatSession): number[] {
+// Client stop strings of any length: the session finds them in the decoded text as it is sampled.
+function stopStrings(stops: unknown, name: string): string[] {
   if (stops === undefined || stops === null) return [];
   const list = typeof stops === 'string' ? [stops] : stops;
-  if (!Array.isArray(list) || !list.every((x) => typeof x === 'string')) return bad(`${name} must be a string or a list of strings`);
-  return list.map((text) => {
-    const ids = session.tokenizer.encode(text);
-    if (ids.length !== 1) bad(`${name}: ${JSON.stringify(text)} is ${ids.length} tokens; only single-token stop strings are supported`);
-    return ids[0];
-  });
+  if (!Array.isArray(list) || !list.every((x) => typeof x === 'string' && x !== '')) {
+    return bad(`${name} must be a non-empty string or a list of them`);
+  }
+  return list;
 }
 
 function textOf(content: unknown, where: string): string {
@@ -131,7 +149,9 @@ function textOf(content: unknown, where: string): string {
   if (content === null || content === undefined) return '';
   if (Array.isArray(content)) {
     return content.map((part) => {
-      if (part?.type !== 'text' || typeof part.text !== 'string') bad(`${where}: only text content parts are supported, got ${JSON.stringify(part?.type)}`);
+      if (part?.type !== 'text' || typeof part.text !== 'string') {
+        bad(`${where}: only text content parts are supported, got ${JSON.stringify(part?.type)}`);
+      }
       return part.text as string;
     }).join('');
   }
@@ -147,7 +167,9 @@ function checkTools(tools: unknown): ToolSpec[] | undefined {
   if (tools === undefined || tools === null) return undefined;
   if (!Array.isArray(tools)) return bad('tools must be a list');
   for (const t of tools) {
-    if (t?.type !== 'function' || typeof t.function?.name !== 'string') bad(`tools: each tool must be {type: "function", function: {name, ...}}, got ${JSON.stringify(t)}`);
+    if (t?.type !== 'function' || typeof t.function?.name !== 'string') {
+      bad(`tools: each tool must be {type: "function", function: {name, ...}}, got ${JSON.stringify(t)}`);
+    }
   }
   return tools as ToolSpec[];
 }
@@ -158,17 +180,21 @@ function checkTools(tools: unknown): ToolSpec[] | undefined {
 function parseToolsFor(choice: unknown, none: unknown, auto: unknown): boolean {
   if (choice === undefined || choice === null || JSON.stringify(choice) === JSON.stringify(auto)) return true;
   if (JSON.stringify(choice) === JSON.stringify(none)) return false;
-  return bad(`tool_choice ${JSON.stringify(choice)} is not supported (only ${JSON.stringify(auto)} and ${JSON.stringify(none)})`);
+  const [c, a, n] = [choice, auto, none].map((x) => JSON.stringify(x));
+  return bad(`tool_choice ${c} is not supported (only ${a} and ${n})`);
 }
 
 const OPENAI_FIELDS = ['model', 'messages', 'tools', 'tool_choice', 'max_tokens', 'max_completion_tokens', 'temperature',
   'top_p', 'top_k', 'stop', 'seed', 'n', 'stream', 'stream_options', 'parallel_tool_calls', 'user', 'metadata'];
 
-function openaiTurn(body: Record<string, unknown>, session: ChatSession) {
+type ParsedTurn = Omit<TurnRequest, 'key' | 'retry'>;
+
+function openaiTurn(body: Record<string, unknown>) {
   allowOnly(body, OPENAI_FIELDS, 'chat.completions');
-  if (body.n !== undefined && body.n !== 1) bad('n must be 1');
   if (body.parallel_tool_calls === false) bad('parallel_tool_calls false is not supported');
-  if (body.max_tokens !== undefined && body.max_completion_tokens !== undefined) bad('give max_tokens or max_completion_tokens, not both');
+  if (body.max_tokens !== undefined && body.max_completion_tokens !== undefined) {
+    bad('give max_tokens or max_completion_tokens, not both');
+  }
   if (!Array.isArray(body.messages) || !body.messages.length) bad('messages must be a non-empty list');
   const messages: ChatMessage[] = (body.messages as Record<string, unknown>[]).map((m, i) => {
     const where = `messages[${i}]`;
@@ -182,8 +208,11 @@ function openaiTurn(body: Record<string, unknown>, session: ChatSession) {
         const msg: ChatMessage = { role: 'assistant', content: textOf(m.content, where) };
         if (Array.isArray(m.tool_calls) && m.tool_calls.length) {
           msg.tool_calls = m.tool_calls.map((c: any) => {
-            if (c?.type !== 'function' || typeof c.function?.name !== 'string') bad(`${where}: malformed tool call ${JSON.stringify(c)}`);
-            return { id: String(c.id), type: 'function' as const, function: { name: c.function.name, arguments: parseArguments(c.function.arguments) } };
+            if (c?.type !== 'function' || typeof c.function?.name !== 'string') {
+              bad(`${where}: malformed tool call ${JSON.stringify(c)}`);
+            }
+            const fn = { name: c.function.name, arguments: parseArguments(c.function.arguments) };
+            return { id: String(c.id), type: 'function' as const, function: fn };
           });
         }
         return msg;
@@ -193,12 +222,13 @@ function openaiTurn(body: Record<string, unknown>, session: ChatSession) {
   });
   const streamOptions = body.stream_options as { include_usage?: boolean } | undefined;
   const tools = checkTools(body.tools);
-  const turn: TurnRequest = {
+  const turn: ParsedTurn = {
     messages,
     tools,
-    sampling: { ...samplingFrom(body, body.max_completion_tokens ?? body.max_tokens, 'max_tokens'), stop_token_ids: stopIds(body.stop, 'stop', session) },
+    sampling: samplingFrom(body, body.max_completion_tokens ?? body.max_tokens, 'max_tokens'),
+    stop: stopStrings(body.stop, 'stop'),
+    n: checkNumber(body.n, 'n', (v) => Number.isInteger(v) && v >= 1 && v <= MAX_N, `an integer in [1, ${MAX_N}]`) ?? 1,
     parseTools: parseToolsFor(body.tool_choice, 'none', 'auto') && !!tools?.length,
-    retryKey: 'openai ' + JSON.stringify(body),
   };
   return { turn, stream: body.stream === true, includeUsage: streamOptions?.include_usage === true };
 }
@@ -220,7 +250,8 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
       for (const b of blocks as any[]) {
         if (b?.type === 'text') msg.content += b.text;
         else if (b?.type === 'tool_use') {
-          (msg.tool_calls ??= []).push({ id: String(b.id), type: 'function', function: { name: b.name, arguments: b.input ?? {} } });
+          const fn = { name: b.name, arguments: b.input ?? {} };
+          (msg.tool_calls ??= []).push({ id: String(b.id), type: 'function', function: fn });
         } else bad(`${where}: assistant block type ${JSON.stringify(b?.type)} is not supported`);
       }
       messages.push(msg);
@@ -234,7 +265,9 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
           flush();
           const content = textOf(b.content, `${where} tool_result`);
           const result: ChatMessage = { role: 'tool', content, tool_call_id: String(b.tool_use_id) };
-          if (b.is_error !== undefined && typeof b.is_error !== 'boolean') bad(`${where} tool_result: is_error must be a boolean`);
+          if (b.is_error !== undefined && typeof b.is_error !== 'boolean') {
+            bad(`${where} tool_result: is_error must be a boolean`);
+          }
           if (b.is_error === true) {
             if (!session.template.rendersToolErrors) {
               bad(`${where} tool_result: is_error is not supported: the model's chat template does not render it ` +
@@ -259,94 +292,166 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
       return { type: 'function' as const, function: fn };
     });
   }
-  const stopSequences = (body.stop_sequences ?? []) as string[];
-  const turn: TurnRequest = {
+  const turn: ParsedTurn = {
     messages,
     tools,
-    sampling: { ...samplingFrom(body, body.max_tokens, 'max_tokens'), stop_token_ids: stopIds(body.stop_sequences, 'stop_sequences', session) },
+    sampling: samplingFrom(body, body.max_tokens, 'max_tokens'),
+    stop: stopStrings(body.stop_sequences, 'stop_sequences'),
+    n: 1,
     parseTools: parseToolsFor(body.tool_choice, { type: 'none' }, { type: 'auto' }) && !!tools?.length,
-    retryKey: 'anthropic ' + JSON.stringify(body),
   };
-  return { turn, stream: body.stream === true, stopSequences };
+  return { turn, stream: body.stream === true, includeUsage: false };
 }
 
 // ----------------------------------------------------------------------------- replies
 
-function openaiFinish(reply: TurnReply): string {
+function openaiFinish(choice: Choice): string {
   // "abort" (the engine dropped the request) is a cut-off reply, like "length".
-  if (reply.finishReason !== 'stop') return 'length';
-  return reply.message.tool_calls ? 'tool_calls' : 'stop';
+  if (choice.finishReason !== 'stop') return 'length';
+  return choice.message.tool_calls ? 'tool_calls' : 'stop';
 }
 
-function openaiToolCalls(reply: TurnReply) {
-  return reply.message.tool_calls?.map((c) => ({
+function openaiToolCalls(choice: Choice) {
+  return choice.message.tool_calls?.map((c) => ({
     id: c.id, type: 'function', function: { name: c.function.name, arguments: JSON.stringify(c.function.arguments) },
   }));
 }
 
 function usage(reply: TurnReply) {
-  return { prompt_tokens: reply.promptTokens, completion_tokens: reply.completionTokens, total_tokens: reply.promptTokens + reply.completionTokens };
+  const completion = reply.choices.reduce((n, c) => n + c.completionTokens, 0);
+  const prompt = reply.promptTokens;
+  return { prompt_tokens: prompt, completion_tokens: completion, total_tokens: prompt + completion };
 }
 
 function openaiCompletion(reply: TurnReply) {
-  const toolCalls = openaiToolCalls(reply);
   return {
     id: `chatcmpl-${reply.id}`, object: 'chat.completion', created: reply.created, model: MODEL_NAME,
-    choices: [{
-      index: 0, finish_reason: openaiFinish(reply), logprobs: null,
-      message: { role: 'assistant', content: toolCalls && !reply.message.content ? null : reply.message.content, refusal: null, ...(toolCalls ? { tool_calls: toolCalls } : {}) },
-    }],
+    choices: reply.choices.map((choice, index) => {
+      const toolCalls = openaiToolCalls(choice);
+      const content = toolCalls && !choice.message.content ? null : choice.message.content;
+      return {
+        index, finish_reason: openaiFinish(choice), logprobs: null,
+        message: { role: 'assistant', content, refusal: null, ...(toolCalls ? { tool_calls: toolCalls } : {}) },
+      };
+    }),
     usage: usage(reply),
   };
 }
 
-function openaiChunks(reply: TurnReply, includeUsage: boolean): object[] {
-  const chunk = (choices: object[], extra: object = {}) => ({
-    id: `chatcmpl-${reply.id}`, object: 'chat.completion.chunk', created: reply.created, model: MODEL_NAME, choices, ...extra,
-  });
-  const delta = (d: object, finish: string | null = null) => chunk([{ index: 0, delta: d, finish_reason: finish, logprobs: null }]);
-  const chunks = [delta({ role: 'assistant', content: '' })];
-  if (reply.message.content) chunks.push(delta({ content: reply.message.content }));
-  openaiToolCalls(reply)?.forEach((c, index) => chunks.push(delta({ tool_calls: [{ index, ...c }] })));
-  chunks.push(delta({}, openaiFinish(reply)));
-  if (includeUsage) chunks.push(chunk([], { usage: usage(reply) }));
-  return chunks;
-}
-
-function anthropicMessage(reply: TurnReply, stopSequences: string[]) {
+function anthropicMessage(reply: TurnReply) {
+  const [choice] = reply.choices;
   const content: object[] = [];
-  if (reply.message.content) content.push({ type: 'text', text: reply.message.content });
-  for (const c of reply.message.tool_calls ?? []) content.push({ type: 'tool_use', id: c.id, name: c.function.name, input: c.function.arguments });
+  if (choice.message.content) content.push({ type: 'text', text: choice.message.content });
+  for (const c of choice.message.tool_calls ?? []) {
+    content.push({ type: 'tool_use', id: c.id, name: c.function.name, input: c.function.arguments });
+  }
   // A client stop sequence that ended the turn is reported as such; the end-of-turn token is end_turn.
-  const stopText = reply.stoppedOn === undefined ? undefined : stopSequences.find((s) => s === reply.stopText);
-  const stopReason = reply.finishReason !== 'stop' ? 'max_tokens'
-    : reply.message.tool_calls ? 'tool_use' : stopText !== undefined ? 'stop_sequence' : 'end_turn';
+  const stopReason = choice.finishReason !== 'stop' ? 'max_tokens'
+    : choice.message.tool_calls ? 'tool_use' : choice.stopText !== undefined ? 'stop_sequence' : 'end_turn';
   return {
     id: `msg_${reply.id}`, type: 'message', role: 'assistant', model: MODEL_NAME, content,
-    stop_reason: stopReason, stop_sequence: stopReason === 'stop_sequence' ? stopText : null,
-    usage: { input_tokens: reply.promptTokens, output_tokens: reply.completionTokens },
+    stop_reason: stopReason, stop_sequence: stopReason === 'stop_sequence' ? choice.stopText : null,
+    usage: { input_tokens: reply.promptTokens, output_tokens: choice.completionTokens },
+  };
+}
+
+// A streamed reply: `text` takes each sample's content as it is generated, `end` the finished reply
+// (the content not yet sent, tool calls, finish reasons, usage), `fail` an error once the stream is open.
+interface ReplyStream {
+  readonly started: boolean;
+  text: (index: number, delta: string) => void;
+  end: (reply: TurnReply) => void;
+  fail: (status: number, message: string) => void;
+}
+
+function sse(res: http.ServerResponse) {
+  let started = false;
+  const send = (data: object | string, event?: string) => {
+    if (!started) res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
+    started = true;
+    res.write(`${event ? `event: ${event}\n` : ''}data: ${typeof data === 'string' ? data : JSON.stringify(data)}\n\n`);
+  };
+  return { send, get started() { return started; } };
+}
+
+// What of a choice's content is left to send after the deltas already sent.
+const rest = (content: string, sent: string) => (content.startsWith(sent) ? content.slice(sent.length) : '');
+
+function openaiStream(res: http.ServerResponse, includeUsage: boolean): ReplyStream {
+  const out = sse(res);
+  const [id, created] = [`chatcmpl-${randomBytes(12).toString('hex')}`, Math.floor(Date.now() / 1000)];
+  const chunk = (choices: object[], extra: object = {}) =>
+    out.send({ id, object: 'chat.completion.chunk', created, model: MODEL_NAME, choices, ...extra });
+  const sent: string[] = [];
+  const delta = (index: number, d: object, finish: string | null = null) => {
+    if (sent[index] === undefined) {
+      sent[index] = '';
+      chunk([{ index, delta: { role: 'assistant', content: '' }, finish_reason: null, logprobs: null }]);
+    }
+    if (Object.keys(d).length || finish) chunk([{ index, delta: d, finish_reason: finish, logprobs: null }]);
+  };
+  delta(0, {}); // the stream opens at once
+  return {
+    get started() { return out.started; },
+    text: (index, text) => { delta(index, { content: text }); sent[index] += text; },
+    end: (reply) => {
+      reply.choices.forEach((choice, index) => {
+        delta(index, {});
+        const text = rest(choice.message.content, sent[index]);
+        if (text) delta(index, { content: text });
+        openaiToolCalls(choice)?.forEach((c, i) => delta(index, { tool_calls: [{ index: i, ...c }] }));
+        delta(index, {}, openaiFinish(choice));
+      });
+      if (includeUsage) chunk([], { usage: usage(reply) });
+      out.send('[DONE]');
+      res.end();
+    },
+    fail: (status, message) => { out.send({ error: { type: errorType(status), message } }); res.end(); },
   };
 }
 
 // The event sequence the @anthropic-ai/sdk stream reader expects.
-function anthropicEvents(message: ReturnType<typeof anthropicMessage>): { event: string; data: object }[] {
-  const ev = (type: string, data: object) => ({ event: type, data: { type, ...data } });
-  const events = [ev('message_start', {
-    message: { ...message, content: [], stop_reason: null, stop_sequence: null, usage: { input_tokens: message.usage.input_tokens, output_tokens: 0 } },
-  })];
-  message.content.forEach((block: any, index) => {
-    if (block.type === 'text') {
-      events.push(ev('content_block_start', { index, content_block: { type: 'text', text: '' } }));
-      events.push(ev('content_block_delta', { index, delta: { type: 'text_delta', text: block.text } }));
-    } else {
-      events.push(ev('content_block_start', { index, content_block: { type: 'tool_use', id: block.id, name: block.name, input: {} } }));
-      events.push(ev('content_block_delta', { index, delta: { type: 'input_json_delta', partial_json: JSON.stringify(block.input) } }));
-    }
-    events.push(ev('content_block_stop', { index }));
-  });
-  events.push(ev('message_delta', { delta: { stop_reason: message.stop_reason, stop_sequence: message.stop_sequence }, usage: { output_tokens: message.usage.output_tokens } }));
-  events.push(ev('message_stop', {}));
-  return events;
+function anthropicStream(res: http.ServerResponse): ReplyStream {
+  const out = sse(res);
+  const ev = (type: string, data: object) => out.send({ type, ...data }, type);
+  let sent: string | undefined; // the text block's content so far; undefined: no text block opened
+  const id = `msg_${randomBytes(12).toString('hex')}`;
+  const message = {
+    id, type: 'message', role: 'assistant', model: MODEL_NAME, content: [], stop_reason: null, stop_sequence: null,
+  };
+  ev('message_start', { message: { ...message, usage: { input_tokens: 0, output_tokens: 0 } } });
+  const text = (delta: string) => {
+    if (sent === undefined) ev('content_block_start', { index: 0, content_block: { type: 'text', text: '' } });
+    ev('content_block_delta', { index: 0, delta: { type: 'text_delta', text: delta } });
+    sent = (sent ?? '') + delta;
+  };
+  return {
+    get started() { return out.started; },
+    text: (_index, delta) => text(delta),
+    end: (reply) => {
+      const final = anthropicMessage(reply);
+      const content = reply.choices[0].message.content;
+      const left = rest(content, sent ?? '');
+      if (left) text(left);
+      if (sent !== undefined) ev('content_block_stop', { index: 0 });
+      let index = sent === undefined ? 0 : 1;
+      for (const block of final.content as any[]) {
+        if (block.type !== 'tool_use') continue;
+        const start = { type: 'tool_use', id: block.id, name: block.name, input: {} };
+        ev('content_block_start', { index, content_block: start });
+        const json = JSON.stringify(block.input);
+        ev('content_block_delta', { index, delta: { type: 'input_json_delta', partial_json: json } });
+        ev('content_block_stop', { index: index++ });
+      }
+      ev('message_delta', {
+        delta: { stop_reason: final.stop_reason, stop_sequence: final.stop_sequence },
+        usage: { input_tokens: final.usage.input_tokens, output_tokens: final.usage.output_tokens },
+      });
+      ev('message_stop', {});
+      res.end();
+    },
+    fail: (status, message) => { ev('error', { error: { type: errorType(status), message } }); res.end(); },
+  };
 }
 
 // ----------------------------------------------------------------------------- http
@@ -364,8 +469,9 @@ function readJson(req: http.IncomingMessage): Promise<Record<string, unknown>> {
     req.on('end', () => {
       try {
         const body = JSON.parse(Buffer.concat(chunks).toString('utf8'));
-        if (typeof body !== 'object' || body === null || Array.isArray(body)) reject(new BadRequest('the body must be a JSON object'));
-        else resolve(body);
+        const isObject = typeof body === 'object' && body !== null && !Array.isArray(body);
+        if (isObject) resolve(body);
+        else reject(new BadRequest('the body must be a JSON object'));
       } catch (e) {
         reject(new BadRequest(`the body is not valid JSON: ${(e as Error).message}`));
       }
@@ -377,16 +483,11 @@ function sendJson(res: http.ServerResponse, status: number, body: object) {
   res.writeHead(status, { 'content-type': 'application/json' }).end(JSON.stringify(body));
 }
 
+const errorType = (status: number) => (status === 400 ? 'invalid_request_error' : status === 401 ? 'authentication_error'
+  : status === 404 ? 'not_found_error' : 'api_error');
+
 // Both SDKs read the error message from {error: {message, type}}.
 function sendError(res: http.ServerResponse, api: string, status: number, message: string) {
-  const type = status === 400 ? 'invalid_request_error' : status === 401 ? 'authentication_error' : status === 404 ? 'not_found_error' : 'api_error';
-  sendJson(res, status, api === 'anthropic' ? { type: 'error', error: { type, message } } : { error: { type, message } });
-}
-
-function sendSse(res: http.ServerResponse, events: { event?: string; data: object | string }[]) {
-  res.writeHead(200, { 'content-type': 'text/event-stream', 'cache-control': 'no-cache' });
-  for (const e of events) {
-    res.write(`${e.event ? `event: ${e.event}\n` : ''}data: ${typeof e.data === 'string' ? e.data : JSON.stringify(e.data)}\n\n`);
-  }
-  res.end();
+  const error = { type: errorType(status), message };
+  sendJson(res, status, api === 'anthropic' ? { type: 'error', error } : { error });
 }

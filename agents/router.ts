@@ -14,7 +14,9 @@
 // and takes traffic again once it answers /health at a weight version no older than the other
 // live engines' — a restarted engine comes back at version 0 and must first be refit (the refit
 // activity pushes to every engine not at the run's version), or its tokens would be stale.
-import { callService, ServiceError, type EngineHealth, type GenerateRequest, type GenerateResponse } from '../activities/gpu-client';
+import {
+  callService, ServiceError, streamGenerate, type EngineHealth, type GenerateChunk, type GenerateRequest, type GenerateResponse,
+} from '../activities/gpu-client';
 
 const PROBE_INTERVAL_MS = 1_000;
 const PROBE_TIMEOUT_MS = 5_000; // /health answers at once unless the engine hangs
@@ -67,7 +69,10 @@ export class EngineRouter {
     await this.probing;
   }
 
-  async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
+  // With onChunk the reply is streamed (gpu-client streamGenerate); a failure after the first chunk is
+  // not retried here: the caller has the tokens so far and continues from them.
+  async generate(session: string, body: GenerateRequest, signal?: AbortSignal,
+    onChunk?: (chunk: GenerateChunk) => boolean): Promise<GenerateResponse> {
     const probe = this.probeDown();
     if (this.down.size === this.engines.length) await probe; // nothing to route to before it
     const tried = new Set<string>();
@@ -79,15 +84,20 @@ export class EngineRouter {
       tried.add(current);
       this.affinity.set(session, current);
       this.inflight.set(current, this.inflight.get(current)! + 1);
+      let streamed = false;
       try {
+        const timeoutMs = this.deadline.baseMs + this.deadline.perTokenMs * (body.sampling?.max_tokens ?? 0);
+        if (onChunk) {
+          const seen = (c: GenerateChunk) => { streamed = true; return onChunk(c); };
+          return await streamGenerate(current, this.token, body, seen, signal, timeoutMs);
+        }
         return await callService<GenerateResponse>(current, '/generate', this.token, {
-          body, request: 'GenerateRequest', response: 'GenerateResponse', signal,
-          timeoutMs: this.deadline.baseMs + this.deadline.perTokenMs * (body.sampling?.max_tokens ?? 0),
+          body, request: 'GenerateRequest', response: 'GenerateResponse', signal, timeoutMs,
         });
       } catch (e) {
         const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
         if (retryable && !signal?.aborted) this.down.set(current, Date.now());
-        const next = retryable ? this.leastLoaded(tried) : undefined;
+        const next = retryable && !streamed ? this.leastLoaded(tried) : undefined;
         if (next === undefined) throw e;
         engine = next;
       } finally {

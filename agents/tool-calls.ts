@@ -25,5 +25,6 @@ export function parseToolCalls(text: string, newId: () => string): ParsedReply {
   // An opened but unclosed block is a malformed call too.
   const rest = text.replace(BLOCK, '');
   if (rest.includes('<tool_call>')) return { content: text, toolCalls: [] };
-  return { content: rest.trim(), toolCalls };
+  // Only trailing space goes: the text before the first call can then be streamed as it is sampled.
+  return { content: rest.trimEnd(), toolCalls };
 }

@@ -52,7 +52,7 @@ test('a malformed rollout section of the recipe is named by its field', () => {
   expect(() => loadRecipe(dir, { 'rollout.partial_tokens': '0' })).toThrow(/rollout\.partial_tokens/);
   expect(() => loadRecipe(dir, { 'pool.inflight': '2001' })).toThrow(/pool\.inflight: at most 2000: each group in flight is a pending activity/);
   expect(loadRecipe(dir, { 'pool.inflight': '2000' }).pool.inflight).toBe(2000);
-  expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64 });
+  expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64, partial_seconds: 5 });
 });
 
 test('failed episodes within the failure budget: the group goes on; over it: the activity fails for good, saying why', async () => {
@@ -78,7 +78,7 @@ test('an engine answering malformed JSON fails the activity (retried) with a mes
       .rejects.toMatchObject({ name: 'ServiceError', message: expect.stringContaining(`POST ${url}/generate: HTTP 200, body is not JSON: not json {`) });
     body = JSON.stringify({ request_id: 'x', token_ids: [1, 2], logprobs: [0], versions: [0, 0], finish_reason: 'stop' });
     await expect(run('broken-engine', config('echo-agent.ts', { env: { turns: 1 } }), [url]))
-      .rejects.toThrow(/response from POST .*\/generate: does not match GenerateResponse|engine returned 2 tokens but 1 logprobs/);
+      .rejects.toThrow(/response from POST .*\/generate: does not match Generate(Response|Chunk)|engine returned 2 tokens but 1 logprobs/);
     expect(fs.existsSync(path.join(root, 'store', 'broken-engine', 'trajectories'))).toBe(false);
   } finally {
     broken.close();

@@ -50,7 +50,7 @@ maybe('store and journal writes on a full disk: ENOSPC naming the file, no temp 
   const key = trajectoryKey('r', 0, 0, 0);
   await expect(writeTrajectory(disk, key, trajectory, meta))
     .rejects.toThrow(`no space left on device (ENOSPC) writing ${path.join(disk, key)}`);
-  const journal = new EpisodeJournal(disk, journalKey('r', 0, 0), null, 64, () => undefined);
+  const journal = new EpisodeJournal(disk, journalKey('r', 0, 0), null, { tokens: 64, seconds: 5 }, () => undefined);
   journal.recorded.calls.push({ prompt: 'p', token_ids: trajectory.tokens, logprobs: trajectory.logprobs, versions: trajectory.versions,
     finish_reason: 'length' });
   await expect(journal.save()).rejects.toThrow(`no space left on device (ENOSPC) writing ${path.join(disk, journalKey('r', 0, 0))}`);
@@ -59,7 +59,7 @@ maybe('store and journal writes on a full disk: ENOSPC naming the file, no temp 
   free();
   await writeTrajectory(disk, key, trajectory, meta);
   expect(readTrajectory(disk, key).trajectory.tokens).toHaveLength(4000);
-  const again = new EpisodeJournal(disk, journalKey('r', 0, 0), null, 64, () => undefined);
+  const again = new EpisodeJournal(disk, journalKey('r', 0, 0), null, { tokens: 64, seconds: 5 }, () => undefined);
   again.recorded.calls.push(...journal.recorded.calls);
   await again.save();
   expect(JSON.parse(fs.readFileSync(path.join(disk, journalKey('r', 0, 0)), 'utf8')).calls).toHaveLength(1);

@@ -3,7 +3,7 @@
 import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
+import type { GenerateChunk, GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
 import { REPO_ROOT, resolveModelDir } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
 import { freePort } from '../../infra/stack';
@@ -63,8 +63,9 @@ export function startActor(model: string, stateDir: string, ...extra: string[]):
 // The real router, keeping what the engine returned for each request so tests compare against it.
 export class RecordingRouter extends EngineRouter {
   calls: { session: string; body: GenerateRequest; res: GenerateResponse }[] = [];
-  async generate(session: string, body: GenerateRequest, signal?: AbortSignal): Promise<GenerateResponse> {
-    const res = await super.generate(session, body, signal);
+  async generate(session: string, body: GenerateRequest, signal?: AbortSignal,
+    onChunk?: (chunk: GenerateChunk) => boolean): Promise<GenerateResponse> {
+    const res = await super.generate(session, body, signal, onChunk);
     this.calls.push({ session, body, res });
     return res;
   }

@@ -128,11 +128,11 @@ test('bad requests get a 400 naming the problem, and the server keeps serving', 
   const cases: [Record<string, unknown>, RegExp][] = [
     [{ frequency_penalty: 0.5 }, /"frequency_penalty" is not supported/],
     [{ logit_bias: { 1: 5 } }, /"logit_bias" is not supported/],
-    [{ n: 2 }, /n must be 1/],
+    [{ n: 0 }, /n must be an integer in \[1, 64\]/],
     [{ temperature: -1 }, /temperature must be >= 0/],
     [{ top_p: 0 }, /top_p must be in \(0, 1\]/],
     [{ max_tokens: 0 }, /max_tokens must be an integer >= 1/],
-    [{ stop: ['two tokens'] }, /only single-token stop strings/],
+    [{ stop: ['ok', ''] }, /stop must be a non-empty string or a list of them/],
     [{ tool_choice: 'required' }, /tool_choice "required" is not supported/],
     [{ response_format: { type: 'json_object' } }, /"response_format" is not supported/],
   ];
@@ -158,7 +158,7 @@ test('bad requests get a 400 naming the problem, and the server keeps serving', 
     .status).toBe(404);
   expect(prompts).toHaveLength(0); // nothing reached the policy
 
-  // Still serving, and stop strings of one token are honoured as engine stop ids.
+  // Still serving, and stop strings are honoured.
   const ok = await openai.chat.completions.create({ model: 'policy', messages, stop: ['\n'] });
   expect(ok.choices[0].message.content).toBe('h');
   server.closeSession(session);
@@ -258,4 +258,119 @@ test('Anthropic tool_result is_error: rendered by a template that shows it, refu
   await shows.messages.create({ model: 'policy', max_tokens: 64, messages: [...messages, { role: 'assistant', content: s1.content as Anthropic.ContentBlockParam[] }, failed(id)], tools });
   const obs = template.tokenizer.encode('\n<|im_start|>user\n<tool_response>\nERROR: division by zero\n</tool_response><|im_end|>\n<|im_start|>assistant\n');
   expect(prompts[1]).toEqual([...prompts[0], ...reply, ...obs]); // appended in the same segment
+});
+
+// ---------------------------------------------------------------- retries, repeats, n, stop strings
+
+const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
+
+test('a deliberate repeat is a new sample; a retry (the SDK\'s own, or an Idempotency-Key) gets the first reply', async () => {
+  const prompts: number[][] = [];
+  const replies = ['one', 'two', 'three', 'four'].map((w) => [...bytes(w), IM_END]);
+  const policy = scripted(replies, prompts);
+  let release!: () => void;
+  const held = new Promise<void>((r) => (release = r));
+  const { session, openaiBaseURL } = open(async (id, prompt, sampling) => {
+    if (!prompts.length) await held; // the first reply waits until the client has retried
+    return policy(id, prompt, sampling);
+  });
+  // The real SDK times out and retries; its fetch is watched only to see the retry's header.
+  const retryCounts: (string | null)[] = [];
+  const watched: typeof fetch = async (url, init) => {
+    const count = new Headers(init?.headers).get('x-stainless-retry-count');
+    retryCounts.push(count);
+    if (count === '1') setTimeout(release, 50);
+    return fetch(url, init);
+  };
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 1, timeout: 300, fetch: watched });
+  const body = { model: 'policy', messages: [{ role: 'user' as const, content: 'x' }] };
+  const r1 = await client.chat.completions.create(body);
+  expect(retryCounts).toEqual(['0', '1']);
+  expect(r1.choices[0].message.content).toBe('one');
+  expect(prompts).toHaveLength(1); // the retry was answered with the first attempt's reply
+
+  // The same request again, on purpose: a new sample.
+  const r2 = await client.chat.completions.create(body);
+  expect(r2.choices[0].message.content).toBe('two');
+  // An explicit Idempotency-Key: the same key (and body) is the same request; another key is not.
+  const r3 = await client.chat.completions.create(body, { headers: { 'Idempotency-Key': 'k1' } });
+  expect(await client.chat.completions.create(body, { headers: { 'Idempotency-Key': 'k1' } })).toEqual(r3);
+  const r4 = await client.chat.completions.create(body, { headers: { 'Idempotency-Key': 'k2' } });
+  expect([r3, r4].map((r) => r.choices[0].message.content)).toEqual(['three', 'four']);
+  expect(prompts).toHaveLength(4);
+  // Each sample is a segment of its own, over the same prompt ids.
+  expect(session.segments().map((s) => s.tokens)).toEqual(replies.map((r) => [...prompts[0], ...r]));
+});
+
+test('OpenAI n > 1: n samples with their own seeds, each a segment; the agent goes on with any of them token-exactly', async () => {
+  const prompts: number[][] = [];
+  const seeds: (number | undefined)[] = [];
+  const replies = ['a1', 'b22', 'c333', 'next', 's1', 's2'].map((w) => [...bytes(w), IM_END]);
+  const policy = scripted(replies, prompts);
+  const { session, openaiBaseURL } = open(async (id, prompt, sampling) => { seeds.push(sampling.seed); return policy(id, prompt, sampling); });
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'Pick one.' }];
+  const r = await client.chat.completions.create({ model: 'policy', messages, n: 3, seed: 5 });
+  expect(r.choices.map((c) => [c.index, c.message.content, c.finish_reason])).toEqual([[0, 'a1', 'stop'], [1, 'b22', 'stop'], [2, 'c333', 'stop']]);
+  expect(r.usage).toMatchObject({ prompt_tokens: prompts[0].length, completion_tokens: 3 + 4 + 5 });
+  expect(new Set(seeds).size).toBe(3);
+  expect(seeds[0]).toBe(5);
+  expect(prompts.slice(0, 3).every((p) => JSON.stringify(p) === JSON.stringify(prompts[0]))).toBe(true);
+
+  // The agent keeps the second sample and goes on: its segment grows, token-exactly.
+  messages.push(r.choices[1].message as OpenAI.ChatCompletionMessageParam, { role: 'user', content: 'more' });
+  await client.chat.completions.create({ model: 'policy', messages });
+  const obs = template.tokenizer.encode('\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n');
+  expect(prompts[3]).toEqual([...prompts[0], ...replies[1], ...obs]);
+  const segs = session.segments();
+  expect(segs.map((s) => s.tokens)).toEqual([
+    [...prompts[0], ...replies[0]], [...prompts[0], ...replies[1], ...obs, ...replies[3]], [...prompts[0], ...replies[2]],
+  ]);
+  expect(segs[1].loss_mask).toEqual([...prompts[0].map(() => 0), ...replies[1].map(() => 1), ...obs.map(() => 0), ...replies[3].map(() => 1)]);
+
+  // Streamed, each choice's text arrives under its own index.
+  const stream = await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'two' }], n: 2, stream: true });
+  const texts = ['', ''];
+  const finishes: (string | null)[] = [null, null];
+  for await (const chunk of stream) {
+    for (const c of chunk.choices) {
+      texts[c.index] += c.delta.content ?? '';
+      finishes[c.index] = c.finish_reason ?? finishes[c.index];
+    }
+  }
+  expect([texts, finishes]).toEqual([['s1', 's2'], ['stop', 'stop']]);
+});
+
+// A client stop string ends the turn like a stop token: the sampled ids are kept as sampled (the stop
+// string too), the template's close of the turn is appended, and the conversation stays one segment.
+test('client stop strings of any length end the turn like a stop token, in the same segment', async () => {
+  const prompts: number[][] = [];
+  const reply1 = bytes('Answer: 42\nEND and more'); // the scripted policy does not stop: the session cuts
+  const reply2 = bytes('ok.\nthen');
+  const { session, openaiBaseURL, anthropicBaseURL } = open(scripted([reply1, reply2, reply1, reply1], prompts));
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'x' }];
+  const r1 = await client.chat.completions.create({ model: 'policy', messages, stop: ['\nEND', 'never'] });
+  expect(r1.choices[0]).toMatchObject({ finish_reason: 'stop', message: { content: 'Answer: 42' } });
+  expect(r1.usage?.completion_tokens).toBe(bytes('Answer: 42\nEND').length);
+  messages.push(r1.choices[0].message as OpenAI.ChatCompletionMessageParam, { role: 'user', content: 'again' });
+  const r2 = await client.chat.completions.create({ model: 'policy', messages, stop: '\n' }); // one token
+  expect(r2.choices[0].message.content).toBe('ok.');
+
+  const close = (next: string) => template.tokenizer.encode(`<|im_end|>\n<|im_start|>user\n${next}<|im_end|>\n<|im_start|>assistant\n`);
+  expect(prompts[1]).toEqual([...prompts[0], ...bytes('Answer: 42\nEND'), ...close('again')]);
+  const segs = session.segments();
+  expect(segs).toHaveLength(1);
+  expect(segs[0].tokens).toEqual([...prompts[1], ...bytes('ok.\n')]);
+  expect(segs[0].tokens.filter((_, i) => segs[0].loss_mask[i])).toEqual([...bytes('Answer: 42\nEND'), ...bytes('ok.\n')]);
+
+  // Anthropic: stop_sequence names it; streamed, no part of it is ever sent as text.
+  const anthropic = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const params = { model: 'policy', max_tokens: 64, messages: [{ role: 'user' as const, content: 'y' }], stop_sequences: ['\nEND'] };
+  const m = await anthropic.messages.create(params);
+  expect(m).toMatchObject({ stop_reason: 'stop_sequence', stop_sequence: '\nEND', content: [{ type: 'text', text: 'Answer: 42' }] });
+  const deltas: string[] = [];
+  const streamed = await anthropic.messages.stream(params).on('text', (d) => { deltas.push(d); }).finalMessage();
+  expect(streamed).toMatchObject({ stop_reason: 'stop_sequence', stop_sequence: '\nEND', content: [{ type: 'text', text: 'Answer: 42' }] });
+  expect(deltas.join('')).toBe('Answer: 42');
 });

@@ -3,6 +3,7 @@
 import { execFileSync, spawn, type ChildProcess } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as net from 'node:net';
+import * as os from 'node:os';
 import * as path from 'node:path';
 import OpenAI from 'openai';
 import Anthropic from '@anthropic-ai/sdk';
@@ -11,6 +12,8 @@ import { ChatTemplate, type ChatMessage, type ToolSpec } from '../../agents/chat
 import type { Generation, GenerateFn, Sampling, Segment } from '../../agents/chat-session';
 import { LoopbackServer } from '../../agents/loopback';
 import { commandAgent, runChatEpisode, type ChatAgent } from '../../agents/chat-runner';
+import { EngineRouter } from '../../agents/router';
+import { EpisodeJournal, readJournal, type JournalFile } from '../../activities/episode-journal';
 
 const PYTHON = path.join(REPO_ROOT, '.venv', 'bin', 'python');
 const MODEL = resolveModelDir('tiny');
@@ -113,7 +116,8 @@ test('OpenAI multi-turn: several tool results at once, a retry, streaming, then 
     { role: 'tool', tool_call_id: 'a', content: '5' }, { role: 'tool', tool_call_id: 'b', content: '9' });
   const body = { model: 'policy', messages, tools, seed: 2 };
   const r2 = await client.chat.completions.create(body);
-  const retry = await client.chat.completions.create(body); // identical: cached, no new generation
+  // A retry (the SDK marks its own with x-stainless-retry-count > 0): cached, no new generation.
+  const retry = await client.chat.completions.create(body, { headers: { 'x-stainless-retry-count': '1' } });
   expect(retry).toEqual(r2);
   expect(calls).toHaveLength(2);
 
@@ -239,4 +243,141 @@ print(json.dumps({"reward": 0.5, "info": {"label": prompt["label"], "tokens": re
   const failing = commandAgent(PYTHON, ['-c', 'print("no json")']);
   await expect(runChatEpisode({ server, agent: failing, template, generate: recordingEngine(calls), prompt, sampling: SAMPLING, maxContext: 1024 }))
     .rejects.toThrow(/last stdout line must be JSON/);
+});
+
+// ---------------------------------------------------------------- the rollout worker's path: journal + router, streamed
+
+// generate as the rollout worker wires it: every call through an episode journal and the router,
+// the engine streaming its tokens.
+function journaled(journal: EpisodeJournal, calls: Call[] = []): GenerateFn {
+  const router = new EngineRouter([engineUrl], 't');
+  return async (sessionId, prompt, sampling, onToken) => {
+    const gen = await journal.generate({ prompt_token_ids: prompt, sampling },
+      (part, onChunk) => router.generate(sessionId, part, undefined, onChunk), onToken);
+    calls.push({ sessionId, prompt, sampling, gen });
+    return gen;
+  };
+}
+const storeRoot = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-loopback-'));
+afterAll(() => fs.rmSync(storeRoot, { recursive: true, force: true }));
+
+test('streaming: the reply arrives token by token as the engine samples it; the journal saves partials by time', async () => {
+  const saved: JournalFile[] = [];
+  // Token-count saves never come due here (10,000 tokens): only the 20 ms clock saves the call in progress.
+  const journal = new EpisodeJournal(storeRoot, 'stream/e0.json', null, { tokens: 10_000, seconds: 0.02 },
+    () => saved.push(structuredClone(readJournal(storeRoot, 'stream/e0.json')!)));
+  const calls: Call[] = [];
+  const session = server.openSession({
+    template, generate: journaled(journal, calls), maxContext: 1024,
+    defaults: { ...SAMPLING, max_tokens: 300, stop_token_ids: template.endOfTurnIds() },
+  });
+  const { openaiBaseURL, anthropicBaseURL } = server.urls(session);
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  // A seed whose reply is long (the random model may end its turn early).
+  let seed = 1;
+  for (;; seed++) {
+    const r = await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: `probe ${seed}` }], seed });
+    if (calls[calls.length - 1].gen.token_ids.length >= 100) break;
+    expect(r.choices[0].finish_reason).toBe('stop');
+  }
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: `probe ${seed}` }];
+  const streamCall = journal.recorded.calls.length;
+  const stream = await client.chat.completions.create({ model: 'policy', messages, seed, stream: true });
+  const deltas: string[] = [];
+  for await (const chunk of stream) if (chunk.choices[0]?.delta.content) deltas.push(chunk.choices[0].delta.content);
+  const gen = calls[calls.length - 1].gen;
+  const content = template.tokenizer.decode(gen.token_ids.filter((id) => !template.endOfTurnIds().includes(id)));
+  expect(deltas.join('')).toBe(content);
+  expect(deltas.length).toBeGreaterThan(10); // not one delta at the end
+
+  // The clock saved the call in progress while it ran.
+  const partials = saved.filter((j) => j.calls.length === streamCall && j.current && j.current.token_ids.length > 0
+    && j.current.token_ids.length < gen.token_ids.length);
+  expect(partials.length).toBeGreaterThan(0);
+  for (const j of partials) expect(gen.token_ids.slice(0, j.current!.token_ids.length)).toEqual(j.current!.token_ids);
+  console.log(`streaming: ${gen.token_ids.length} tokens arrived as ${deltas.length} deltas; ` +
+    `${partials.length} partials saved by the clock during the call`);
+
+  // Anthropic, streamed: several text deltas too.
+  const anthropic = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const texts: string[] = [];
+  const m = await anthropic.messages.stream({ model: 'policy', max_tokens: 300, messages: [{ role: 'user', content: `probe ${seed}` }] })
+    .on('text', (d) => { texts.push(d); }).finalMessage();
+  expect(texts.join('')).toBe(m.content.map((b) => (b.type === 'text' ? b.text : '')).join(''));
+  expect(m.usage.input_tokens).toBe(calls[calls.length - 1].prompt.length);
+  server.closeSession(session);
+});
+
+// A stop string of several tokens, found in the text as the engine streams: the engine request is
+// ended there, the ids are kept as sampled, and the next turn appends the template's close.
+test('a multi-token stop string ends the engine request mid-stream; the next turn stays in the segment', async () => {
+  const journal = new EpisodeJournal(storeRoot, 'stop/e0.json', null, { tokens: 8, seconds: 60 }, () => undefined);
+  const calls: Call[] = [];
+  const open2 = () => server.openSession({
+    template, generate: journaled(journal, calls), maxContext: 1024,
+    defaults: { ...SAMPLING, max_tokens: 40, stop_token_ids: template.endOfTurnIds() },
+  });
+  const printable = (id: number) => id >= 97 && id <= 122; // a-z
+  // Find a seed whose reply has two letters in a row, not earlier in its text (the random model
+  // writes mostly other bytes).
+  const decode = (ids: number[]) => template.tokenizer.decode(ids);
+  let found: { seed: number; at: number; ids: number[] } | undefined;
+  for (let seed = 1; !found; seed++) {
+    expect(seed).toBeLessThan(200);
+    const s = open2();
+    const client = new OpenAI({ baseURL: server.urls(s).openaiBaseURL, apiKey: s.apiKey, maxRetries: 0 });
+    await client.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: 'go' }], seed, temperature: 0.7 });
+    const ids = calls[calls.length - 1].gen.token_ids;
+    const at = ids.findIndex((id, i) => i > 0 && printable(id) && printable(ids[i + 1])
+      && !decode(ids.slice(0, i + 1)).includes(decode(ids.slice(i, i + 2))));
+    if (at > 0 && ids.length > at + 3) found = { seed, at, ids };
+    server.closeSession(s);
+  }
+  const { seed, at, ids } = found;
+  const [stop, before] = [decode(ids.slice(at, at + 2)), decode(ids.slice(0, at))];
+  const session = open2();
+  const client = new OpenAI({ baseURL: server.urls(session).openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'go' }];
+  const r = await client.chat.completions.create({ model: 'policy', messages, seed, temperature: 0.7, stop: [stop] });
+  const cut = calls[calls.length - 1];
+  expect(cut.gen.token_ids).toEqual(ids.slice(0, at + 2)); // the same samples, ended with the stop string's last id
+  expect(cut.gen.finish_reason).toBe('stop');
+  expect(journal.recorded.calls[journal.recorded.calls.length - 1].token_ids).toEqual(ids.slice(0, at + 2));
+  expect(r.choices[0]).toMatchObject({ finish_reason: 'stop', message: { content: before } });
+
+  messages.push(r.choices[0].message as OpenAI.ChatCompletionMessageParam, { role: 'user', content: 'on' });
+  await client.chat.completions.create({ model: 'policy', messages, seed: 1 });
+  const obs = template.tokenizer.encode('<|im_end|>\n<|im_start|>user\non<|im_end|>\n<|im_start|>assistant\n');
+  expect(calls[calls.length - 1].prompt).toEqual([...cut.prompt, ...ids.slice(0, at + 2), ...obs]);
+  expect(session.segments()).toHaveLength(1);
+  console.log(`stop string ${JSON.stringify(stop)}: engine request ended after ${at + 2} of ${ids.length} tokens`);
+  server.closeSession(session);
+});
+
+// n samples on the real engine, and the crash-replay journal: a retried episode asks the same
+// requests again and gets its recorded samples back in order, identical prompts included.
+test('n > 1 on the engine; a replayed journal gives identical requests their own samples, in order', async () => {
+  const first = new EpisodeJournal(storeRoot, 'repeat/e0.json', null, { tokens: 8, seconds: 60 }, () => undefined);
+  const calls: Call[] = [];
+  const run = async (journal: EpisodeJournal) => {
+    const session = server.openSession({
+      template, generate: journaled(journal, calls), maxContext: 1024,
+      defaults: { ...SAMPLING, max_tokens: 8, stop_token_ids: template.endOfTurnIds() },
+    });
+    const client = new OpenAI({ baseURL: server.urls(session).openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+    const body = { model: 'policy', messages: [{ role: 'user' as const, content: 'sample' }] };
+    const many = await client.chat.completions.create({ ...body, n: 3 });
+    const again = await client.chat.completions.create(body); // a deliberate repeat
+    server.closeSession(session);
+    return { texts: [...many.choices, ...again.choices].map((c) => c.message.content), segments: session.segments() };
+  };
+  const a = await run(first);
+  expect(calls).toHaveLength(4);
+  expect(new Set(calls.map((c) => JSON.stringify(c.gen.token_ids))).size).toBe(4); // four different samples
+  expect(a.segments.map((s) => s.tokens)).toEqual(calls.map((c) => [...c.prompt, ...c.gen.token_ids]));
+
+  const replayed = new EpisodeJournal(storeRoot, 'repeat/e0.json', readJournal(storeRoot, 'repeat/e0.json'), { tokens: 8, seconds: 60 }, () => undefined);
+  const b = await run(replayed);
+  expect(replayed.stats).toMatchObject({ replayedCalls: 4, generatedTokens: 0 });
+  expect(b).toEqual(a);
 });

@@ -169,13 +169,14 @@ test('ChatAgent form: the loopback server answers the journaled request, the int
 test('an agent that asks something else than its journal recorded gets fresh generations from that call on', async () => {
   const router = new RecordingRouter([engine.url], TOKEN);
   const engineCall = (body: GenerateRequest) => router.generate('s', body);
+  const every = { tokens: 8, seconds: 60 };
   const sampling = { max_tokens: 4, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [], seed: 1 };
-  const first = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', null, 8, () => undefined);
+  const first = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', null, every, () => undefined);
   const a = await first.generate({ prompt_token_ids: [104, 105], sampling }, engineCall);
   await first.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 62], sampling }, engineCall);
   expect(router.calls).toHaveLength(2);
 
-  const again = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', readJournal(storeRoot, 'nondeterministic/e0.json'), 8, () => undefined);
+  const again = new EpisodeJournal(storeRoot, 'nondeterministic/e0.json', readJournal(storeRoot, 'nondeterministic/e0.json'), every, () => undefined);
   expect(await again.generate({ prompt_token_ids: [104, 105], sampling }, engineCall)).toMatchObject({ token_ids: a.token_ids, logprobs: a.logprobs });
   expect(router.calls).toHaveLength(2); // answered from the journal
   await again.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 63], sampling }, engineCall); // another observation
