@@ -35,7 +35,12 @@ export class LoopbackServer {
     if (!LOOPBACK_HOSTS.has(host)) {
       throw new Error(`loopback server: refusing to bind ${host}; only 127.0.0.1 is allowed`);
     }
+    // Idle connections are closed by the clients, never by a server timer: the agent usually shares this
+    // process, and after the event loop was blocked (a long synchronous call) both timers are overdue at
+    // once; the server closing a socket the client has just taken for its next request failed it
+    // ("Connection error", seen in test/unit/chat-rollout.test.ts after a 14 s execFileSync).
     const server = http.createServer();
+    server.keepAliveTimeout = 0;
     await new Promise<void>((resolve, reject) => {
       server.once('error', reject);
       server.listen(0, '127.0.0.1', () => resolve());
