@@ -196,8 +196,8 @@ const realRollout = () => ({
 
 test('a run whose agent module does not load fails at once with the reason; status shows it and exits 1', async () => {
   await withWorkers(env, realRollout(), async () => {
-    const began = Date.now();
     const config = JSON.parse((await cli('start', recipeDir, '--print-config', '--agent', 'gone.ts')).stdout);
+    const began = Date.now();
     const handle = await env.client.workflow.start('trainRun', {
       workflowId: 'molt-gone', taskQueue: 'molt-control', args: [{ runId: 'gone', recipeDir, config }],
     }); // as a schedule's firing does: no CLI check before it
@@ -217,4 +217,13 @@ test('start --follow of a run whose agent throws prints the reason and exits 1',
     expect(run.stderr).toContain('run molt-throws ended: FAILED: run throws failed after 0 steps: group ');
     expect(run.stderr).toContain('createEnv: the env is broken');
   });
+});
+
+test('status of a terminated run prints the reason and exits 1', async () => {
+  expect((await cli('start', recipeDir, '--run-id', 'term')).code).toBe(0); // no worker: it waits
+  await env.client.workflow.getHandle('molt-term').terminate('the operator stopped it');
+  const status = await cli('status', 'term');
+  expect(status.code).toBe(1);
+  expect(status.stdout).toContain('run term: TERMINATED');
+  expect(status.stderr.trim()).toBe('run molt-term ended: TERMINATED: the operator stopped it');
 });
