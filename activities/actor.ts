@@ -7,6 +7,14 @@
 // trajectories). A restarted actor holds its base weights and an empty step log; any activity that
 // finds the actor behind the run loads the run's latest checkpoint and replays the later steps from
 // their manifests, in order (same trajectories, same algo, same starting state: the same update).
+//
+// Many runs, one stack: the actor and the engines serve one run at a time. A run claims them
+// (claimActor) before it generates anything; the claim is a lease file in the store, which a
+// run holds until its workflow is no longer running. The others wait (the run's progress says for
+// whom). Taking over loads the run's state into the actor (its latest checkpoint and the steps after
+// it, or the initial weights) and pushes those weights to every engine: the engines must sample
+// from this run's policy, at this run's version. Claims are checked one at a time: the actor
+// queue's worker runs one activity at a time (infra/worker.ts).
 import * as fs from 'node:fs';
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
@@ -19,8 +27,10 @@ import { writeFileAtomic } from './store';
 // /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
 const CONTROL_TIMEOUT_MS = 30_000;
 import type {
-  CheckpointInput, CheckpointResult, RefitInput, RefitResult, ServiceEndpoints, TrainStepInput, TrainStepResult,
+  CheckpointInput, CheckpointResult, ClaimInput, ClaimResult, RefitInput, RefitResult, ServiceEndpoints, TrainStepInput,
+  TrainStepResult,
 } from './types';
+import { runWorkflowId } from '../workflows/train-run';
 
 // Long calls heartbeat while they wait, so a heartbeat timeout notices a dead worker, not a slow actor.
 async function heartbeating<T>(details: unknown, work: Promise<T>): Promise<T> {
@@ -59,8 +69,9 @@ function postTrainStep(e: ServiceEndpoints, runId: string, step: number, manifes
 }
 
 // Brings the actor to step `upTo` of the run if it is behind (restarted: base weights, run_id null;
-// or holding an older state): load the run's latest checkpoint, then replay each later step from
-// its manifest. Returns the steps replayed (0 when the actor was already there).
+// holding an older state; or holding another run): load the run's latest checkpoint (the initial
+// weights for a run without one), then replay each later step from its manifest. Returns the steps
+// replayed (0 when the actor was already there).
 export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: number): Promise<number> {
   let health = await actorHealth(e);
   if (health.run_id === runId && health.last_step >= upTo) return 0;
@@ -69,13 +80,15 @@ export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: num
   if (latest !== null) {
     const state = JSON.parse(fs.readFileSync(path.join(latest, 'trainer_state.json'), 'utf8')) as { step: number };
     if (health.run_id !== runId || health.last_step < state.step) {
-      await callService<CheckpointResponse>(e.actor, '/checkpoint/load', e.token, { body: { path: latest }, request: 'CheckpointRequest', response: 'CheckpointResponse' });
+      await callService<CheckpointResponse>(e.actor, '/checkpoint/load', e.token,
+        { body: { path: latest }, request: 'CheckpointRequest', response: 'CheckpointResponse' });
       Context.current().log.info('actor behind the run: loaded its latest checkpoint', { runId, checkpoint: latest, step: state.step });
       health = await actorHealth(e);
     }
-  }
-  if (health.run_id !== runId && health.last_step > 0) {
-    throw new Error(`actor holds step ${health.last_step} of run ${health.run_id}, and run ${runId} has no checkpoint to start from`);
+  } else if (health.run_id !== runId && (health.run_id !== null || health.last_step > 0)) {
+    // Another run's weights: this run starts (or replays) from the initial weights.
+    health = await callService<ActorHealth>(e.actor, '/reset', e.token, { body: {}, response: 'ActorHealth' });
+    Context.current().log.info('actor held another run: back to the initial weights', { runId });
   }
   const from = health.run_id === runId ? health.last_step + 1 : 1;
   for (let step = from; step <= upTo; step++) {
@@ -109,7 +122,6 @@ async function resumeEngines(engines: string[], token: string): Promise<void> {
 // found paused is resumed whatever else happens: an earlier attempt may have pushed the weights
 // and then failed to resume it (a connection reset on /resume), and nothing else would.
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
-  const started = Date.now();
   const { token } = endpoints;
   const health = await Promise.all(endpoints.engines.map((e) =>
     callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth', timeoutMs: CONTROL_TIMEOUT_MS })));
@@ -120,11 +132,18 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
     Context.current().log.info('refit: engines already at version', { version: input.version, resumed: paused.length });
     return { version: input.version, seconds: 0, bytes: 0 }; // a retry after a completed push
   }
+  return pushWeights(endpoints, input.runId, input.version, engines, paused);
+}
+
+// Pushes the weights of step `version` of the run to `engines`, and resumes them and `paused`.
+async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: number, engines: string[], paused: string[] = []): Promise<RefitResult> {
+  const started = Date.now();
+  const { token } = endpoints;
   // The weights must be those of step `version`: a restarted actor catches up first.
-  await heartbeating({ version: input.version }, catchUpActor(endpoints, input.runId, input.version));
+  await heartbeating({ version }, catchUpActor(endpoints, runId, version));
   const actor = await actorHealth(endpoints);
-  if (actor.run_id !== input.runId || actor.last_step !== input.version) {
-    throw new Error(`refit: asked for version ${input.version} of run ${input.runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
+  if (actor.run_id !== (version === 0 ? null : runId) || actor.last_step !== version) {
+    throw new Error(`refit: asked for version ${version} of run ${runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
   }
   let pushed: PushWeightsResponse;
   try {
@@ -132,8 +151,8 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
     // Inside the try: if one engine fails to pause, the others are still resumed.
     await Promise.all(engines.map((e) =>
       callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest', timeoutMs: CONTROL_TIMEOUT_MS })));
-    pushed = await heartbeating({ version: input.version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
-      body: { engines: engines.map((url) => ({ url })), version: input.version },
+    pushed = await heartbeating({ version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
+      body: { engines: engines.map((url) => ({ url })), version },
       request: 'PushWeightsRequest', response: 'PushWeightsResponse',
     }));
   } catch (e) {
@@ -142,6 +161,31 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
   }
   await resumeEngines([...engines, ...paused], token); // on failure the retry finds them paused and resumes them
   return { version: pushed.version, seconds: (Date.now() - started) / 1000, bytes: pushed.bytes };
+}
+
+export const leaseFile = (storeRoot: string) => path.join(storeRoot, 'actor-lease');
+
+// Claims the actor and the engines for run `runId` at step `step` (see the top of this file).
+// Returns whom the run must wait for, or null once it holds them with its weights everywhere.
+export async function claimActor(endpoints: ServiceEndpoints, input: ClaimInput): Promise<ClaimResult> {
+  const file = leaseFile(endpoints.storeRoot);
+  const holder = fs.existsSync(file) ? fs.readFileSync(file, 'utf8').trim() : '';
+  if (holder && holder !== input.runId && await runIsLive(holder)) return { heldBy: holder };
+  if (holder !== input.runId) await writeFileAtomic(file, input.runId);
+  // Every engine, whatever version it says: a version number of another run names other weights.
+  await pushWeights(endpoints, input.runId, input.step, endpoints.engines);
+  Context.current().log.info('run holds the actor and the engines', { runId: input.runId, step: input.step, after: holder || null });
+  return { heldBy: null };
+}
+
+async function runIsLive(runId: string): Promise<boolean> {
+  try {
+    const { status } = await Context.current().client.workflow.getHandle(runWorkflowId(runId)).describe();
+    return status.name === 'RUNNING';
+  } catch (err) {
+    if ((err as Error).name === 'WorkflowNotFoundError') return false; // e.g. a run of an earlier Temporal database
+    throw err;
+  }
 }
 
 export function checkpointDir(storeRoot: string, runId: string, step: number): string {

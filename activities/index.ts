@@ -2,12 +2,12 @@
 // least-loaded placement sees every in-flight request of that worker.
 import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
-import { checkpoint, refit, trainStep } from './actor';
+import { checkpoint, claimActor, refit, trainStep } from './actor';
 import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
-import type { CheckpointInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
+import type { CheckpointInput, ClaimInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
 
 // A body the service rejects as malformed (400) or a wrong token (401) fails the same way on every
 // retry: report it to the workflow at once instead of retrying forever.
@@ -27,6 +27,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
     checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
+    claimActor: (input: ClaimInput) => failFast(claimActor(endpoints, input)),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
     evaluate: (input: EvaluateInput) => failFast(evaluate(router, input)),
   };

@@ -32,6 +32,10 @@ export interface TrainStepResult { step: number; version: number; replayed: bool
 export interface RefitInput { runId: string; version: number }
 export interface RefitResult { version: number; seconds: number; bytes: number }
 
+// A run claims the actor and the engines at its current step (activities/actor.ts, claimActor).
+export interface ClaimInput { runId: string; step: number }
+export interface ClaimResult { heldBy: string | null } // null: claimed; else the run that holds them
+
 export interface CheckpointInput { runId: string; step: number }
 export interface CheckpointResult { path: string; step: number }
 

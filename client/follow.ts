@@ -35,7 +35,7 @@ function barPayload(p: Progress) {
     inflight: p.inflight,
     ready: p.ready,
     etaText: etaSeconds === null ? '?' : formatSeconds(etaSeconds),
-    state: p.state,
+    state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : p.state,
   };
 }
 

@@ -12,6 +12,10 @@ describes the steps inside the current weights: it starts empty (the --model wei
 carries the log of its weights, and /checkpoint/load replaces the log by it, so entries of steps after the
 checkpoint's step are gone: those steps are no longer in the weights and must be trained again.
 
+One run at a time, any run: the weights and the log are those of one run. Switching to another run loads that run's
+checkpoint (/checkpoint/load) or, for a run without one, /reset (the --model weights, a fresh optimizer, an empty
+log), so the log is always the log of the run in the weights.
+
 --offload-optimizer uses FSDP2's CPUOffloadPolicy (parameters, gradients and optimizer state on the CPU, the
 optimizer step there); on a CPU-only machine everything already lives there, so it changes nothing.
 """
@@ -435,6 +439,13 @@ class Actor:
         set_optimizer_state_dict(self.model, self.optimizer, optim or {}, options=options)
         self.run_id, self.last_step, self.version = trainer_state["run_id"], trainer_state["step"], trainer_state["version"]
 
+    def reset(self, weights: dict | None = None) -> None:
+        """All ranks: the --model weights (rank 0 passes them, broadcast into every rank's shards), a fresh optimizer."""
+        set_model_state_dict(self.model, weights or {}, options=StateDictOptions(full_state_dict=True,
+                                                                                  broadcast_from_rank0=True))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
+        self.version, self.last_step, self.run_id = 0, 0, None
+
     # --- the step log (rank 0)
 
     def set_log(self, entries: list[dict]) -> None:
@@ -628,6 +639,14 @@ def build_app(actor: Actor, token: str | None):
             actor.set_log(log)
             return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
 
+    @app.post("/reset")
+    def reset() -> ActorHealth:
+        """Back to the --model weights and a fresh optimizer: a run without a checkpoint starts from here."""
+        with actor.lock:
+            actor.run("reset", weights=read_weights(actor, args.model))
+            actor.set_log([])
+        return health()
+
     return app
 
 
@@ -638,23 +657,30 @@ def read_checkpoint(actor: Actor, path: str) -> tuple[dict, dict, dict, list[dic
     try:
         check_model_dir(path)
         trainer_state = json.loads((p / "trainer_state.json").read_text())
-        weights = {}
-        for f in sorted(p.glob("*.safetensors")):
-            weights.update(load_file(str(f)))
+        weights = read_weights(actor, path)
         optim = torch.load(p / "optimizer.pt", weights_only=True)
         log = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
     except (OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"checkpoint {path!r} is not loadable: {e}") from None
+    log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
+    return trainer_state, weights, optim, log
+
+
+def read_weights(actor: Actor, path: str) -> dict:
+    """Rank 0: the full weights of a model or checkpoint dir (a tied output weight also under its own name),
+    checked against the model."""
+    weights = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        weights.update(load_file(str(f)))
     tied = tied_output_name(actor.model)
-    if tied is not None:
+    if tied is not None and input_embedding_name(actor.model) in weights:
         weights.setdefault(tied, weights[input_embedding_name(actor.model)])
     expected = {n: tuple(t.shape) for n, t in actor.full_state_items()}
     got = {n: tuple(t.shape) for n, t in weights.items()}
     if got != expected:
         diff = sorted(set(got.items()) ^ set(expected.items()))[:5]
-        raise ValueError(f"checkpoint {path!r} does not fit the model: differing (name, shape) e.g. {diff}")
-    log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
-    return trainer_state, weights, optim, log
+        raise ValueError(f"{path!r} does not fit the model: differing (name, shape) e.g. {diff}")
+    return weights
 
 
 def free_port() -> int:

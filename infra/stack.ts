@@ -1,10 +1,12 @@
 // The local stack: Temporal dev server (SQLite file + Web UI), N engines, the actor (torchrun) and the
 // worker(s), each a child process with its log in <stateDir>/logs. Used by `molt-client dev`
-// (`npm start`), the end-to-end tests and the benchmarks. stop() ends everything it started.
+// (`npm start`), `molt-client up`, the end-to-end tests and the benchmarks. stop() ends everything
+// it started; stopStacksOnSignals() makes Ctrl-C and SIGTERM do that, also while a stack starts.
 import { ChildProcess, spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as net from 'node:net';
+import * as os from 'node:os';
 import * as path from 'node:path';
 import { REPO_ROOT } from '../agents/recipe';
 
@@ -43,6 +45,29 @@ export interface Stack {
   // base weights, version 0): the activities bring it back to the run's state (activities/actor.ts).
   restart(name: string, signal?: 'SIGKILL' | 'SIGTERM'): Promise<ChildProcess>;
   stop(): Promise<void>;
+}
+
+// The stop() of every stack of this process that may have processes running, and whether a signal
+// has come: from then on nothing new is started (a stack half way through its start stops too).
+const liveStacks = new Set<() => Promise<void>>();
+let signalled: NodeJS.Signals | null = null;
+
+// Ctrl-C (SIGINT), SIGTERM or SIGHUP: stop every stack of this process once, then exit 128+signo.
+// A second signal while stopping is ignored (and said so): cutting the stop short would leave
+// processes behind. The stack's processes run in process groups of their own, so a Ctrl-C at the
+// terminal reaches only this process, and the stop is done in order by stop().
+export function stopStacksOnSignals(onSignal?: (signal: NodeJS.Signals) => void): void {
+  for (const signal of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
+    process.on(signal, () => {
+      if (signalled) {
+        console.error(`[stack] ${signal}: still stopping the stack (on ${signalled}); it ends by itself`);
+        return;
+      }
+      signalled = signal;
+      onSignal?.(signal);
+      void Promise.allSettled([...liveStacks].map((stop) => stop())).then(() => process.exit(128 + os.constants.signals[signal]));
+    });
+  }
 }
 
 export async function freePort(): Promise<number> {
@@ -145,6 +170,7 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
   // How each process was started and how to tell it is ready, so restart() can do the same again.
   const specs = new Map<string, { cmd: string; args: string[]; env: Record<string, string>; ready: (logFrom: number) => Promise<boolean> }>();
   const launch = (name: string, cmd: string, args: string[], env: Record<string, string>, ready: (logFrom: number) => Promise<boolean>, cpus?: string) => {
+    if (signalled) throw new Error(`stack: not starting ${name}, stopping on ${signalled}`);
     if (cpus !== undefined) [cmd, args] = ['taskset', ['-c', cpus, cmd, ...args]];
     specs.set(name, { cmd, args, env, ready });
     const log = path.join(logDir, `${name}.log`);
@@ -186,7 +212,9 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     for (const p of live) killTree(p.pid!, 'SIGKILL');
     for (const p of below) try { process.kill(p, 'SIGKILL'); } catch { /* gone */ }
     processes.clear();
+    liveStacks.delete(stop);
   };
+  liveStacks.add(stop);
 
   try {
     let temporalAddress: string;

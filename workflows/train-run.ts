@@ -11,7 +11,7 @@
 // not yet trained. That happens once per few thousand history events (tens of steps).
 import {
   ActivityFailure, allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery,
-  isCancellation, log, proxyActivities, setCurrentDetails, setHandler, upsertSearchAttributes, workflowInfo,
+  isCancellation, log, proxyActivities, setCurrentDetails, setHandler, sleep, upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
@@ -42,6 +42,7 @@ export interface Progress {
   dropped: Dropped;
   state: 'running' | 'stopping' | 'done';
   paused: boolean; // no new step starts while paused (groups keep generating up to a batch)
+  waitingFor: string | null; // the run that holds the actor and engines, while this one waits for them
   settings: Record<LiveSetting, number>; // the live settings the next step uses
 }
 export interface Dropped { stale: number; empty: number }
@@ -71,7 +72,12 @@ export interface TrainRunInput {
   config: RecipeConfig;
   carried?: Carried;
   continueAsNewAfterSteps?: number; // test hook: continue as new after this many steps in one run
+  stopGraceSeconds?: number; // how long a cancelled run's actor work may take (default STOP_GRACE_SECONDS)
 }
+// A cancel lets the step in progress finish and saves a checkpoint, but an actor call that hangs
+// must not keep the run stopping forever: after this long the actor work still running is
+// cancelled and the run ends without it (its trained steps stay replayable from their manifests).
+const STOP_GRACE_SECONDS = 120;
 
 export interface TrainRunSummary {
   runId: string;
@@ -99,7 +105,7 @@ const { rolloutGroup } = proxyActivities<Activities>({
 
 // trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
 // activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
-const { trainStep, refit, checkpoint } = proxyActivities<Activities>({
+const { trainStep, refit, checkpoint, claimActor } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.actor,
   startToCloseTimeout: '30 minutes',
   heartbeatTimeout: '30 seconds',
@@ -135,7 +141,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   };
   const inflight = new Set<number>(); // groups started by this run whose result has not arrived
   let state: Progress['state'] = 'running';
+  let waitingFor: string | null = null; // see claim
   let actorBusy = false; // see withActor
+  // The actor work (steps, checkpoints) runs in this scope: a stop that overruns its grace cancels it.
+  const actorScope = new CancellationScope({ cancellable: true });
   let draining = false; // the history is full: no new groups; continue as new once none is in flight
   let training = false; // a batch has been taken and its step (train, refit) is not done yet
   // Search attributes are upserted only when the client set MoltRecipe at start, i.e. when the
@@ -177,7 +186,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       step: run.step, totalSteps: config.train.steps, version: run.step,
       inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean, rewardHistory: run.rewardHistory,
       tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
-      lastMetrics: run.lastMetrics, dropped: run.dropped, state, paused: run.paused, settings: currentSettings(config),
+      lastMetrics: run.lastMetrics, dropped: run.dropped, state, paused: run.paused, waitingFor, settings: currentSettings(config),
     };
   });
 
@@ -190,15 +199,22 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     validator: (settings) => { whileRunning(); validateSettings(settings); },
   });
   setHandler(checkpointUpdate, async () => {
-    await withActor(async () => { if (run.checkpoint?.step !== run.step) await saveCheckpoint(); });
+    const done = await withActor(async () => { if (run.checkpoint?.step !== run.step) await saveCheckpoint(); });
+    if (!done) throw new Error(`run is ${state}: no checkpoint saved`);
     return run.checkpoint!;
   }, { validator: () => { if (run.step === 0) throw new Error('no step trained yet: nothing to checkpoint'); } });
 
   // Cancel means a graceful stop: the loop sees `stopping`, finishes the step it is in,
-  // checkpoints and stops the children. Hence all the work below runs non-cancellable.
-  CancellationScope.current().cancelRequested.catch(() => { state = 'stopping'; });
+  // checkpoints and stops the children. Hence all the work below runs non-cancellable, except the
+  // actor work, which gets a grace period (STOP_GRACE_SECONDS).
+  CancellationScope.current().cancelRequested.catch(() => {
+    state = 'stopping';
+    void CancellationScope.nonCancellable(() => sleep((input.stopGraceSeconds ?? STOP_GRACE_SECONDS) * 1000)).then(() => actorScope.cancel());
+  });
 
   return CancellationScope.nonCancellable(async () => {
+    // The actor and the engines serve one run at a time: wait for them before generating anything.
+    if (!(await claim())) return summary(); // stopped while waiting
     // The filler: start a group whenever a slot is free. It pauses while a full batch is already
     // waiting (training is the bottleneck then, and more groups would only be staler).
     // In the sync loop it starts one batch's groups only when nothing is in flight or training, so
@@ -230,7 +246,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       const tokens = batch.reduce((n, g) => n + g.tokens, 0);
       const algo = config.algo; // a `set` during the step applies from the next one
       const times = { batchReady: Date.now(), trained: 0, refitted: 0, transferSeconds: 0 };
-      await withActor(async () => {
+      const trained = await withActor(async () => {
         const result = await trainStep.executeWithOptions(
           { summary: `train step ${step}: ${batch.length} groups, ${refs.length} trajectories, ${tokens} tokens` },
           [{ runId, step, refs, algo }]);
@@ -243,6 +259,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         if (step % config.checkpoint.every === 0) await saveCheckpoint();
       });
       training = false;
+      if (!trained) break; // stopping, and the actor overran the grace
       const rewards = batch.flatMap((g) => g.rewards);
       run.rewardMean = rewards.reduce((a, b) => a + b, 0) / rewards.length;
       run.rewardHistory = [...run.rewardHistory, run.rewardMean].slice(-REWARD_HISTORY);
@@ -278,18 +295,42 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     await metricsWritten;
     await withActor(async () => { if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint(); });
     groups.cancel();
-    const stopped = run.step < config.train.steps;
-    state = 'done';
-    showDetails();
     if (fatal !== undefined) {
+      state = 'done';
+      showDetails();
       const saved = run.checkpoint ? ` (last checkpoint: step ${run.checkpoint.step}, ${run.checkpoint.path})` : '';
       throw ApplicationFailure.nonRetryable(`run ${runId} failed after ${run.step} steps${saved}: ${fatal}`, 'FailureBudgetExceeded');
     }
+    return summary();
+  });
+
+  function summary(): TrainRunSummary {
+    state = 'done';
+    showDetails();
     return {
-      runId, steps: run.step, version: run.step, stopped, checkpoint: run.checkpoint?.path ?? null,
+      runId, steps: run.step, version: run.step, stopped: run.step < config.train.steps, checkpoint: run.checkpoint?.path ?? null,
       rewardMean: run.rewardMean, rewardHistory: run.rewardHistory, lastMetrics: run.lastMetrics, dropped: run.dropped,
     };
-  });
+  }
+
+  // Claims the actor and the engines (activities/actor.ts, claimActor), waiting while another run
+  // holds them, with a poll every 10 s growing to a minute. False when the run stops meanwhile.
+  async function claim(): Promise<boolean> {
+    for (let pollSeconds = 10; state === 'running'; pollSeconds = Math.min(60, pollSeconds * 2)) {
+      const { heldBy } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` }, [{ runId, step: run.step }]);
+      if (heldBy === null) break;
+      if (waitingFor !== heldBy) log.info('waiting for the actor', { heldBy });
+      waitingFor = heldBy;
+      showDetails();
+      await condition(() => state !== 'running', pollSeconds * 1000);
+      if (workflowInfo().continueAsNewSuggested && state === 'running') {
+        await continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run });
+      }
+    }
+    waitingFor = null;
+    showDetails();
+    return state === 'running';
+  }
 
   // The first `batch.groups` usable results, in arrival order; null when stopping, or when draining
   // and no group is left in flight. A group is dropped when it has no finished episode, or
@@ -335,16 +376,24 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   }
 
   // One actor call sequence at a time: a step (train, refit, checkpoint) or a requested checkpoint.
-  async function withActor(work: () => Promise<void>): Promise<void> {
+  // False when the work was cancelled because a stop overran its grace.
+  async function withActor(work: () => Promise<void>): Promise<boolean> {
     while (actorBusy) await condition(() => !actorBusy);
     actorBusy = true;
-    try { await work(); } finally { actorBusy = false; }
+    try {
+      await actorScope.run(work);
+      return true;
+    } catch (err) {
+      if (actorScope.consideredCancelled && isCancellation(err)) return false;
+      throw err;
+    } finally { actorBusy = false; }
   }
 
   function showDetails(): void {
     setCurrentDetails(stepDetails({
       step: run.step, totalSteps: config.train.steps, rewardMean: run.rewardMean, paused: run.paused, state,
       lr: config.algo.lr, batchGroups: config.batch.groups, inflight: inflight.size, ready: run.ready.length, checkpoint: run.checkpoint?.path ?? null,
+      waitingFor,
     }));
   }
 }

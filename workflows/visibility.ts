@@ -26,11 +26,13 @@ export function runDetails(recipeDir: string, config: RecipeConfig): string {
 export interface StepView {
   step: number; totalSteps: number; rewardMean: number | null; paused: boolean; state: 'running' | 'stopping' | 'done';
   lr: number; batchGroups: number; inflight: number; ready: number; checkpoint: string | null;
+  waitingFor?: string | null;
 }
 
 // The run's "current details" in the UI, rewritten after each step and on each control change.
 export function stepDetails(v: StepView): string {
-  const state = v.state === 'running' && v.paused ? '**paused**' : v.state;
+  const state = v.waitingFor ? `**waiting for the actor, held by run ${v.waitingFor}**`
+    : v.state === 'running' && v.paused ? '**paused**' : v.state;
   return [
     `step **${v.step}/${v.totalSteps}** (${state}), reward mean ${v.rewardMean?.toFixed(4) ?? '-'}`,
     `lr ${v.lr}, batch ${v.batchGroups} groups; ${v.inflight} groups running, ${v.ready} ready`,

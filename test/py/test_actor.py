@@ -236,6 +236,29 @@ def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_
         assert r.status_code == 400 and "missing" in r.json()["error"]
 
 
+def test_reset_starts_another_run_from_the_initial_weights(store, tiny_model, tmp_path):
+    """One actor serves run after run: /reset brings back the --model weights, a fresh optimizer and an empty step
+    log, so a second run's step 1 is the same update as the first run's step 1 was."""
+    rows = load_rows(store)
+    with actor_server(tiny_model, tmp_path, 1) as url, client(url) as c:
+        initial = actor_logprobs(url, rows)
+        first = train(url, store, 1, run_id="first").json()
+        after_first = actor_logprobs(url, rows)
+        assert train(url, store, 2, run_id="first").status_code == 200
+        assert train(url, store, 1, run_id="second").status_code == 409  # holds step 2 of run first
+        r = c.post("/reset", json={})
+        assert r.status_code == 200, r.text
+        assert (r.json()["run_id"], r.json()["last_step"], r.json()["version"]) == (None, 0, 0)
+        assert (actor_logprobs(url, rows) - initial).abs().max() == 0
+        second = train(url, store, 1, run_id="second").json()
+        assert not second["replayed"]
+        assert second["metrics"]["pg_loss"] == pytest.approx(first["metrics"]["pg_loss"], abs=1e-7)
+        assert (actor_logprobs(url, rows) - after_first).abs().max() < RANKS_TOL
+        # the log is the second run's now: the first run's steps are no longer in these weights
+        assert c.get("/health").json()["run_id"] == "second"
+        assert train(url, store, 1, run_id="first").status_code == 409
+
+
 def test_bad_requests_get_clear_errors_and_the_actor_keeps_serving(actor1, store, tmp_path):
     root, refs = store
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")

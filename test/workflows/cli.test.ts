@@ -52,6 +52,7 @@ const activities = {
     return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.25 } };
   },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
+  async claimActor() { return { heldBy: null }; },
   async checkpoint(input: { runId: string; step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
   recordMetrics: (input: RecordMetricsInput) => recordMetrics({ engines: [], actor: '', token: '', storeRoot }, input),
 };

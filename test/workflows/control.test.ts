@@ -38,6 +38,7 @@ function services() {
       return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.5, lr: input.algo.lr } };
     },
     async refit(input: { version: number }) { return { version: input.version, seconds: 0.001, bytes: 0 }; },
+    async claimActor() { return { heldBy: null }; },
     async checkpoint(input: { runId: string; step: number }) {
       s.checkpoints.push(input.step);
       return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
@@ -47,7 +48,7 @@ function services() {
   return { s, activities };
 }
 
-const startRun = (runId: string, cfg: RecipeConfig, extra: { continueAsNewAfterSteps?: number } = {}) => {
+const startRun = (runId: string, cfg: RecipeConfig, extra: { continueAsNewAfterSteps?: number; stopGraceSeconds?: number } = {}) => {
   const options = runStartOptions('/tmp/recipe', cfg, runId, true);
   return env.client.workflow.start(trainRun, { ...options, workflowId: runWorkflowId(runId), args: [{ ...options.args[0], ...extra }] });
 };
@@ -56,6 +57,32 @@ const releaseOne = async (s: ReturnType<typeof services>['s']) => {
   await waitFor('a group running', () => waiting().length > 0);
   s.released.add(Math.min(...waiting()));
 };
+
+test('a run waits visibly while another holds the actor; cancel ends a run stuck in the actor after its grace', async () => {
+  const { s, activities } = services();
+  let holder: string | null = 'first';
+  const claims: number[] = [];
+  const stuck = {
+    ...activities,
+    async claimActor(input: { step: number }) { claims.push(input.step); return { heldBy: holder }; },
+    async trainStep(input: TrainStepInput) { // an actor that never answers; the activity heartbeats, as the real one does
+      s.trainCalls.push(input);
+      for (const ctx = Context.current(); ;) { ctx.heartbeat(); await ctx.sleep(100); }
+    },
+  };
+  await withWorkers(env, stuck, async () => {
+    const handle = await startRun('waits', config(3), { stopGraceSeconds: 2 });
+    await waitFor('the wait shown', async () => (await handle.query(progressQuery)).waitingFor === 'first');
+    expect(s.running.size).toBe(0); // nothing generates while another run holds the engines
+    holder = null;
+    await waitFor('the actor claimed', async () => (await handle.query(progressQuery)).waitingFor === null, 60_000);
+    expect(claims).toEqual([0, 0]);
+    await releaseOne(s);
+    await waitFor('step 1 stuck at the actor', () => s.trainCalls.length === 1);
+    await handle.cancel();
+    expect(await handle.result()).toMatchObject({ steps: 0, stopped: true });
+  });
+}, 120_000);
 
 test('set changes lr and batch size from the next step, across continue-as-new; bad values are rejected', async () => {
   const { s, activities } = services();

@@ -26,6 +26,7 @@ test('evaluate runs every eval.every steps, concurrently with training, and its 
     },
     async trainStep(input: TrainStepInput) { trained.push(input.step); return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.5 } }; },
     async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
+    async claimActor() { return { heldBy: null }; },
     async checkpoint(input: { runId: string; step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
     async recordMetrics(input: RecordMetricsInput) { metrics.push(input); return { written: true }; },
     async evaluate(input: EvaluateInput): Promise<EvaluateResult> {

@@ -85,6 +85,7 @@ function fakeServices(opts: {
       s.refits.push(input.version);
       return { version: input.version, seconds: 0, bytes: 0 };
     },
+    async claimActor() { return { heldBy: null }; },
     async checkpoint(input: { runId: string; step: number }) {
       s.checkpoints.push(input.step);
       return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
