@@ -27,8 +27,8 @@ import { writeFileAtomic } from './store';
 // /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
 const CONTROL_TIMEOUT_MS = 30_000;
 import type {
-  CheckpointInput, CheckpointResult, ClaimInput, ClaimResult, RefitInput, RefitResult, ServiceEndpoints, TrainStepInput,
-  TrainStepResult,
+  CheckpointInput, CheckpointResult, ClaimInput, ClaimResult, RefitInput, RefitResult, ResumePoint, ServiceEndpoints,
+  TrainStepInput, TrainStepResult,
 } from './types';
 import { runWorkflowId } from '../workflows/train-run';
 
@@ -161,6 +161,25 @@ async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: 
   }
   await resumeEngines([...engines, ...paused], token); // on failure the retry finds them paused and resumes them
   return { version: pushed.version, seconds: (Date.now() - started) / 1000, bytes: pushed.bytes };
+}
+
+// Where a run that an earlier stack left goes on (`molt-client resume`): after the last step whose
+// manifest follows its latest checkpoint without a gap (the claim replays those steps on the actor),
+// with group indexes after every group it started (a group index names trajectory files, and a
+// manifest of a replayed step may name them).
+export async function resumePoint(e: ServiceEndpoints, input: { runId: string }): Promise<ResumePoint> {
+  const runDir = path.join(e.storeRoot, input.runId);
+  const latestFile = path.join(runDir, 'checkpoints', 'latest');
+  const latest = fs.existsSync(latestFile) ? fs.readFileSync(latestFile, 'utf8').trim() : null;
+  const checkpointStep = latest ? (JSON.parse(fs.readFileSync(path.join(latest, 'trainer_state.json'), 'utf8')) as { step: number }).step : 0;
+  let step = checkpointStep;
+  while (fs.existsSync(stepManifestPath(e.storeRoot, input.runId, step + 1))) step++;
+  const groups = ['trajectories', 'partials'].flatMap((d) => (fs.existsSync(path.join(runDir, d)) ? fs.readdirSync(path.join(runDir, d)) : []))
+    .flatMap((name) => /^g(\d+)$/.exec(name)?.slice(1).map(Number) ?? []);
+  return {
+    step, nextGroupIndex: groups.length ? Math.max(...groups) + 1 : 0,
+    checkpoint: latest ? { step: checkpointStep, path: latest } : null,
+  };
 }
 
 export const leaseFile = (storeRoot: string) => path.join(storeRoot, 'actor-lease');

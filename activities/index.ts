@@ -2,7 +2,7 @@
 // least-loaded placement sees every in-flight request of that worker.
 import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
-import { checkpoint, claimActor, refit, trainStep } from './actor';
+import { checkpoint, claimActor, refit, resumePoint, trainStep } from './actor';
 import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
@@ -28,6 +28,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
     checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
     claimActor: (input: ClaimInput) => failFast(claimActor(endpoints, input)),
+    resumePoint: (input: { runId: string }) => resumePoint(endpoints, input),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
     evaluate: (input: EvaluateInput) => failFast(evaluate(router, input)),
   };

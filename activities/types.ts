@@ -36,6 +36,8 @@ export interface RefitResult { version: number; seconds: number; bytes: number }
 export interface ClaimInput { runId: string; step: number }
 export interface ClaimResult { heldBy: string | null } // null: claimed; else the run that holds them
 
+export interface ResumePoint { step: number; nextGroupIndex: number; checkpoint: { step: number; path: string } | null }
+
 export interface CheckpointInput { runId: string; step: number }
 export interface CheckpointResult { path: string; step: number }
 

@@ -87,6 +87,7 @@ function instantActivities(stepTimes: number[]): Activities {
     async refit(input) { version = input.version; return { version: input.version, seconds: 0, bytes: 0 }; },
     async checkpoint(input) { return { path: `/nowhere/step-${input.step}`, step: input.step }; },
     async claimActor() { return { heldBy: null }; },
+    async resumePoint() { return { step: 0, nextGroupIndex: 0, checkpoint: null }; },
     async recordMetrics(input) { stepTimes[input.step] = performance.now(); return { written: true }; },
     async evaluate(input) { // not called: the bench recipe has eval.every 0
       return { step: input.step, prompts: 0, samples: 0, greedy_reward: null, sample_reward_mean: 0, 'pass@1': 0, 'pass@n': 0, failed: 0, version_min: version, version_max: version };

@@ -10,7 +10,7 @@ import {
 } from '@temporalio/client';
 import { Command, CommanderError } from 'commander';
 import { loadAgentRunner } from '../agents/contract';
-import { loadRecipe, RecipeError, resolveModelDir, type RecipeConfig } from '../agents/recipe';
+import { loadRecipe, RecipeError, type RecipeConfig } from '../agents/recipe';
 import {
   checkpointUpdate, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type Settings,
 } from '../workflows/control';
@@ -22,6 +22,7 @@ import { follow, formatSeconds } from './follow';
 import { formatSamples, readSamples } from './samples';
 import { plotRun } from './plot';
 import { addScheduleCommands } from './schedule';
+import { addStackCommands, withDevStack } from './stack-commands';
 import { hasSearchAttributes, runStartOptions } from './start-options';
 
 function defaultRunId(config: RecipeConfig): string {
@@ -209,20 +210,8 @@ for (const name of ['start', 'dev'] as const) {
       }
       if (name === 'start') return startRun(await connect(), recipeDir, config, runId, !!opts.follow);
       // dev: a local stack (Temporal dev server + UI, engines, actor, worker) for this one run.
-      const { startStack } = await import('../infra/stack');
-      const stack = await startStack({
-        modelDir: resolveModelDir(config.model), engines: config.engines.count, actorWorldSize: config.actor.world_size,
-      });
-      process.once('SIGINT', () => {
-        console.error('\nstopping the stack (the run stays in the stack\'s Temporal database)');
-        stack.stop().finally(() => process.exit(130));
-      });
-      try {
-        const temporal = await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233');
-        await startRun(temporal, recipeDir, config, runId, true);
-      } finally {
-        await stack.stop();
-      }
+      await withDevStack({ model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size },
+        async (stack) => startRun(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233'), recipeDir, config, runId, true));
     });
 }
 
@@ -345,6 +334,7 @@ program.command('samples')
   });
 
 addScheduleCommands(program, { overrides, withOverrides });
+addStackCommands(program);
 
 async function main(args: string[]): Promise<void> {
   let command = program;

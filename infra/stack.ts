@@ -26,6 +26,10 @@ export interface StackOptions {
   // own GPU on a cluster; the benchmarks use it to compare loops on separate compute.
   cpus?: { engines: string; actor: string };
   quiet?: boolean;
+  // Runs still RUNNING in the stack's Temporal database came from an earlier stack (stopped by
+  // Ctrl-C or `down`): terminate them before any worker starts, so the stack starts clean;
+  // `molt-client resume <runId>` continues one from where it stopped.
+  endLeftoverRuns?: boolean;
 }
 
 export interface Stack {
@@ -157,6 +161,24 @@ async function tcpOpen(port: number): Promise<boolean> {
   });
 }
 
+// Terminates every RUNNING trainRun; returns their run ids.
+async function endLeftoverRuns(address: string): Promise<string[]> {
+  const { Client, Connection } = await import('@temporalio/client');
+  const connection = await Connection.connect({ address });
+  try {
+    const client = new Client({ connection });
+    const ended: string[] = [];
+    for await (const run of client.workflow.list({ query: `WorkflowType = 'trainRun' AND ExecutionStatus = 'Running'` })) {
+      const runId = run.workflowId.replace(/^molt-/, '');
+      await client.workflow.getHandle(run.workflowId).terminate(`left by an earlier stack; molt-client resume ${runId} continues it`);
+      ended.push(runId);
+    }
+    return ended;
+  } finally {
+    await connection.close();
+  }
+}
+
 export async function startStack(opts: StackOptions): Promise<Stack> {
   const stateDir = path.resolve(opts.stateDir ?? path.join(REPO_ROOT, '.molt', 'stack'));
   const logDir = path.join(stateDir, 'logs');
@@ -250,6 +272,10 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
       temporalAddress = `127.0.0.1:${port}`;
       uiUrl = `http://localhost:${uiPort}`;
       say(`temporal ${temporalAddress}, UI ${uiUrl}`);
+    }
+
+    if (opts.endLeftoverRuns) {
+      for (const runId of await endLeftoverRuns(temporalAddress)) say(`run ${runId} was left by an earlier stack: terminated (molt-client resume ${runId} continues it)`);
     }
 
     const engineCount = opts.engines ?? 1;

@@ -19,14 +19,15 @@ export interface RunningWorkers {
 export async function runWorkers(opts: { temporalAddress: string; endpoints: ServiceEndpoints; queues?: QueueName[]; namespace?: string }): Promise<RunningWorkers> {
   const connection = await NativeConnection.connect({ address: opts.temporalAddress });
   const common = { connection, namespace: opts.namespace ?? 'default' };
-  const { rolloutGroup, evaluate, trainStep, refit, checkpoint, claimActor, recordMetrics } = createActivities(opts.endpoints);
+  const { rolloutGroup, evaluate, trainStep, refit, checkpoint, claimActor, resumePoint, recordMetrics } = createActivities(opts.endpoints);
   const make: Record<QueueName, () => Promise<Worker>> = {
     control: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts'), activities: { recordMetrics } }),
     rollout: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup, evaluate } }),
     // One optimizer step at a time: the actor is a single trainer. This also makes the claims of
     // runs on the actor (claimActor) one at a time.
     actor: () => Worker.create({
-      ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint, claimActor }, maxConcurrentActivityTaskExecutions: 1,
+      ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint, claimActor, resumePoint },
+      maxConcurrentActivityTaskExecutions: 1,
     }),
   };
   const workers = await Promise.all((opts.queues ?? ALL_QUEUES).map((q) => make[q]()));

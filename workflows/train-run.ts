@@ -72,6 +72,7 @@ export interface TrainRunInput {
   config: RecipeConfig;
   carried?: Carried;
   continueAsNewAfterSteps?: number; // test hook: continue as new after this many steps in one run
+  resumed?: boolean; // set by `molt-client resume` for a run an earlier stack left (see resumePoint)
   stopGraceSeconds?: number; // how long a cancelled run's actor work may take (default STOP_GRACE_SECONDS)
 }
 // A cancel lets the step in progress finish and saves a checkpoint, but an actor call that hangs
@@ -105,7 +106,7 @@ const { rolloutGroup } = proxyActivities<Activities>({
 
 // trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
 // activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
-const { trainStep, refit, checkpoint, claimActor } = proxyActivities<Activities>({
+const { trainStep, refit, checkpoint, claimActor, resumePoint } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.actor,
   startToCloseTimeout: '30 minutes',
   heartbeatTimeout: '30 seconds',
@@ -213,6 +214,11 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   });
 
   return CancellationScope.nonCancellable(async () => {
+    if (input.resumed) { // its last execution's input is older than what the store holds: go on from there
+      const at = await resumePoint({ runId });
+      Object.assign(run, { step: at.step, nextGroupIndex: Math.max(run.nextGroupIndex, at.nextGroupIndex), ready: [], paused: false, checkpoint: at.checkpoint });
+      log.info('resumed a run left by an earlier stack', { ...at });
+    }
     // The actor and the engines serve one run at a time: wait for them before generating anything.
     if (!(await claim())) return summary(); // stopped while waiting
     // The filler: start a group whenever a slot is free. It pauses while a full batch is already
@@ -287,7 +293,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     if (draining && state === 'running' && run.step < config.train.steps) { // drained: nothing in flight
       await metricsWritten;
       await condition(allHandlersFinished);
-      if (state === 'running') return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run });
+      if (state === 'running') return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run, resumed: false });
     }
 
     // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
@@ -324,7 +330,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       showDetails();
       await condition(() => state !== 'running', pollSeconds * 1000);
       if (workflowInfo().continueAsNewSuggested && state === 'running') {
-        await continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run });
+        await continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run, resumed: false });
       }
     }
     waitingFor = null;

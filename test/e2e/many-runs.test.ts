@@ -19,11 +19,16 @@ const SMALL = ['--train.steps', '3', '--checkpoint.every', '2', '--batch.groups'
 
 let stack: Stack;
 let client: Client;
+let stateDir: string;
 const cli = (...args: string[]) => runCli(args, { MOLT_TEMPORAL_ADDRESS: stack.temporalAddress });
 
-beforeAll(async () => {
-  stack = await startStack({ modelDir: resolveModelDir('tiny'), stateDir: fs.mkdtempSync(path.join(os.tmpdir(), 'molt-runs-')), quiet: true });
+async function startLocalStack() {
+  stack = await startStack({ modelDir: resolveModelDir('tiny'), stateDir, quiet: true, endLeftoverRuns: true });
   client = new Client({ connection: await Connection.connect({ address: stack.temporalAddress }) });
+}
+beforeAll(async () => {
+  stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-runs-'));
+  await startLocalStack();
 });
 afterAll(async () => {
   await client?.connection.close();
@@ -85,4 +90,22 @@ test('a schedule fires again and again: three firings, each run trains', async (
     expect(await client.workflow.getHandle(workflowId).result()).toMatchObject({ steps: 3, stopped: false });
     await expectStepsOnce(workflowId.replace(/^molt-/, ''), 3);
   }
+}, 900_000);
+
+test('a run an earlier stack left is terminated when the next stack starts, and resume continues it: every step once', async () => {
+  const steps = ['--train.steps', '6', '--checkpoint.every', '2'];
+  expect((await cli('start', RECIPE, '--run-id', 'left', ...SMALL, ...steps)).code).toBe(0);
+  const handle = () => client.workflow.getHandle(runWorkflowId('left'));
+  await until('step 3 trained', async () => ((await handle().query(progressQuery).catch(() => null))?.step ?? 0) >= 3);
+  await client.connection.close();
+  await stack.stop(); // as a Ctrl-C'd dev does
+  await startLocalStack();
+  expect((await handle().describe()).status.name).toBe('TERMINATED');
+  const resumed = await cli('resume', 'left');
+  expect(resumed.stdout).toContain('run left resumed (it was TERMINATED)');
+  const summary = await handle().result();
+  expect(summary).toMatchObject({ steps: 6, stopped: false });
+  // The final checkpoint's step log (the steps inside its weights): each of the 6 steps once.
+  const log = fs.readFileSync(path.join(summary.checkpoint!, 'steps.jsonl'), 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+  expect(log.map((e) => `${e.run_id}:${e.step}`)).toEqual([1, 2, 3, 4, 5, 6].map((n) => `left:${n}`));
 }, 900_000);
