@@ -145,7 +145,8 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   let waitingFor: string | null = null; // see claim
   let actorBusy = false; // see withActor
   // The actor work (steps, checkpoints) runs in this scope: a stop that overruns its grace cancels it.
-  const actorScope = new CancellationScope({ cancellable: true });
+  // Made inside the non-cancellable part below, so that the run's cancel does not reach it at once.
+  let actorScope!: CancellationScope;
   let draining = false; // the history is full: no new groups; continue as new once none is in flight
   let training = false; // a batch has been taken and its step (train, refit) is not done yet
   // Search attributes are upserted only when the client set MoltRecipe at start, i.e. when the
@@ -214,6 +215,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   });
 
   return CancellationScope.nonCancellable(async () => {
+    actorScope = new CancellationScope({ cancellable: true });
     if (input.resumed) { // its last execution's input is older than what the store holds: go on from there
       const at = await resumePoint({ runId });
       Object.assign(run, { step: at.step, nextGroupIndex: Math.max(run.nextGroupIndex, at.nextGroupIndex), ready: [], paused: false, checkpoint: at.checkpoint });
