@@ -115,12 +115,14 @@ export const RecipeConfig = z.strictObject({
   rollout: z.strictObject({
     // A group whose failed episodes (the agent threw, the engine refused) exceed this fraction of
     // group_size fails the run: a broken agent should stop a run, not train on what is left.
-    max_failed_fraction: z.number().min(0).max(1).default(0.5),
+    max_failed_fraction: z.number().min(0).max(1).default(0.5)
+      .describe('a group with more failed episodes than this fraction fails the run'),
     // The episode journal (activities/episode-journal.ts) saves the call in progress every this many
     // sampled tokens; a killed rollout worker regenerates at most this many tokens per unfinished episode.
-    partial_tokens: z.number().int().positive().default(64),
+    partial_tokens: z.number().int().positive().default(64)
+      .describe('the journal of an episode in progress is saved every this many sampled tokens'),
     // ... or every this many seconds, whichever comes first (a slow engine loses seconds of work).
-    partial_seconds: z.number().positive().default(5),
+    partial_seconds: z.number().positive().default(5).describe('... or every this many seconds'),
   }).default({ max_failed_fraction: 0.5, partial_tokens: 64, partial_seconds: 5 }),
   // Evaluation on held-out prompt groups (group indexes EVAL_GROUP_BASE + i, never trained), every
   // `every` steps (0 = never): per prompt one greedy episode (temperature 0) and `samples` sampled ones.

@@ -159,6 +159,7 @@ test('--help on the program and on commands; start --help lists every recipe key
   expect(start.stdout).toMatch(/--algo\.lr +number > 0; default 0\.000001/);
   expect(start.stdout).toMatch(/--staleness_mode +mask\|drop; default "mask"/);
   expect(start.stdout).toMatch(/--agent +string; required; agent module path, relative to the recipe folder/);
+  expect(start.stdout).toMatch(/--rollout\.max_failed_fraction +number >= 0 <= 1; default 0\.5; a group with more failed/);
   const create = await cli('schedule', 'create', '--help');
   expect([create.code, create.stdout]).toEqual([0, expect.stringContaining('--algo.rollout_correction.level')]);
   const unknown = await cli('status', 'x', '--algo.lr', '1e-4'); // recipe overrides go with start, dev, set, eval, schedule create
