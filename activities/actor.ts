@@ -112,7 +112,8 @@ export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInp
 // Resumes the given engines (all of them, even when one fails) and throws if any resume failed.
 // Repeating /resume is harmless, so every path of refit may call it on any engine that is paused.
 async function resumeEngines(engines: string[], token: string): Promise<void> {
-  const resumed = await Promise.allSettled(engines.map((e) => callService(e, '/resume', token, { body: {}, timeoutMs: CONTROL_TIMEOUT_MS })));
+  const resumed = await Promise.allSettled(engines.map((e) =>
+    callService(e, '/resume', token, { body: {}, timeoutMs: CONTROL_TIMEOUT_MS })));
   const failed = resumed.flatMap((r) => (r.status === 'rejected' ? [(r.reason as Error).message] : []));
   if (failed.length) throw new Error(`refit: resuming failed: ${failed.join('; ')}`);
 }
@@ -150,7 +151,8 @@ async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: 
     // Pause with mode keep: in-flight requests are held, not dropped, and continue on the new weights.
     // Inside the try: if one engine fails to pause, the others are still resumed.
     await Promise.all(engines.map((e) =>
-      callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest', timeoutMs: CONTROL_TIMEOUT_MS })));
+      callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest', timeoutMs: CONTROL_TIMEOUT_MS }),
+    ));
     pushed = await heartbeating({ version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
       body: { engines: engines.map((url) => ({ url })), version },
       request: 'PushWeightsRequest', response: 'PushWeightsResponse',

@@ -61,7 +61,9 @@ function check(model: string, body: unknown, what: string, status: number): void
 
 // timeoutMs: the whole call (answer included) must finish by then, or it fails like an unreachable
 // service (status undefined): a hung process (SIGSTOPped, deadlocked) holds its connections open.
-export interface CallOptions { body?: unknown; request?: string; response?: string; signal?: AbortSignal; timeoutMs?: number }
+export interface CallOptions {
+  body?: unknown; request?: string; response?: string; signal?: AbortSignal; timeoutMs?: number;
+}
 
 // One call: `request`/`response` name contract models to validate against (omit for bodies the
 // contract does not define, like /pause's reply).
@@ -84,7 +86,9 @@ export async function callService<T>(baseUrl: string, route: string, token: stri
     });
     text = await res.text();
   } catch (e) {
-    if (deadline?.aborted && !opts.signal?.aborted) throw new ServiceError(`${method} ${url}: no answer within ${opts.timeoutMs! / 1000} s`);
+    if (deadline?.aborted && !opts.signal?.aborted) {
+      throw new ServiceError(`${method} ${url}: no answer within ${opts.timeoutMs! / 1000} s`);
+    }
     const cause = (e as any)?.cause?.message ?? (e as Error).message;
     throw new ServiceError(`${method} ${url} failed: ${cause}`);
   }

@@ -27,8 +27,9 @@ const envSeconds = (name: string, fallback: number): number => {
   if (!(v > 0)) throw new Error(`${name}=${process.env[name]}: expected a number of seconds > 0`);
   return v * 1000;
 };
-export const defaultDeadline = (): Deadline =>
-  ({ baseMs: envSeconds('MOLT_ENGINE_DEADLINE_S', 60), perTokenMs: envSeconds('MOLT_ENGINE_DEADLINE_PER_TOKEN_S', 0.25) });
+export const defaultDeadline = (): Deadline => ({
+  baseMs: envSeconds('MOLT_ENGINE_DEADLINE_S', 60), perTokenMs: envSeconds('MOLT_ENGINE_DEADLINE_PER_TOKEN_S', 0.25),
+});
 
 export class EngineRouter {
   private readonly inflight: Map<string, number>;
@@ -36,7 +37,9 @@ export class EngineRouter {
   private readonly down = new Map<string, number>(); // engine out of rotation -> time of its last probe (ms)
   private probing: Promise<void> | null = null;
 
-  constructor(readonly engines: string[], private readonly token: string, readonly deadline: Deadline = defaultDeadline()) {
+  constructor(
+    readonly engines: string[], private readonly token: string, readonly deadline: Deadline = defaultDeadline(),
+  ) {
     if (engines.length === 0) throw new Error('EngineRouter: no engine URLs given');
     this.inflight = new Map(engines.map((e) => [e, 0]));
   }
@@ -58,7 +61,8 @@ export class EngineRouter {
     this.probing ??= (async () => {
       for (const e of due) this.down.set(e, Date.now());
       const health = async (e: string) =>
-        callService<EngineHealth>(e, '/health', this.token, { response: 'EngineHealth', timeoutMs: PROBE_TIMEOUT_MS }).catch(() => null);
+        callService<EngineHealth>(e, '/health', this.token, { response: 'EngineHealth', timeoutMs: PROBE_TIMEOUT_MS })
+          .catch(() => null);
       const live = await Promise.all(this.engines.filter((e) => !this.down.has(e)).map(health));
       const newest = Math.max(0, ...live.flatMap((h) => (h ? [h.version] : [])));
       await Promise.all(due.map(async (e) => {

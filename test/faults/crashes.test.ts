@@ -88,7 +88,9 @@ afterAll(async () => {
   console.log(`fault injection (seed ${SEED}), ${STEPS} steps of ${config.batch.groups} groups x ${config.group_size} episodes:\n${figures.join('\n')}`);
   await client?.connection.close();
   for (const p of proxies ?? []) p.close();
-  for (const proc of stack?.processes.values() ?? []) if (proc.pid) try { process.kill(proc.pid, 'SIGCONT'); } catch { /* gone */ }
+  for (const proc of stack?.processes.values() ?? []) {
+    if (proc.pid) try { process.kill(proc.pid, 'SIGCONT'); } catch { /* gone */ }
+  }
   await stack?.stop();
   if (storeDisk) execFileSync('umount', ['-l', storeDisk]);
 });
@@ -217,7 +219,9 @@ async function runWithFault(name: string, fault: Fault) {
   while ((await actorStep(runId)) < killAfterStep) await sleep(100);
   await sleep(delayMs);
   const struck = await fault(runId);
-  if (struck.step >= STEPS) throw new Error(`the run ended before the fault (step ${struck.step} of ${STEPS}): make the run longer`);
+  if (struck.step >= STEPS) {
+    throw new Error(`the run ended before the fault (step ${struck.step} of ${STEPS}): make the run longer`);
+  }
   const over = Date.now();
   while ((await actorStep(runId)) <= struck.step) await sleep(100);
   const recoverSeconds = (Date.now() - struck.at) / 1000;
@@ -226,8 +230,8 @@ async function runWithFault(name: string, fault: Fault) {
   const summary = await result(handle);
   const runSeconds = (Date.now() - started) / 1000;
   const regenerated = proxies.reduce((a, p) => a + p.tokens, 0) - generatedBefore - storedTokens(runId);
-  figures.push(`  ${name.padEnd(16)} ${struck.detail} (+${delayMs} ms): next step trained ${recoverSeconds.toFixed(1)} s after ` +
-    `it struck (${afterSeconds.toFixed(1)} s after it was over); run ${runSeconds.toFixed(1)} s; ` +
+  figures.push(`  ${name.padEnd(16)} ${struck.detail} (+${delayMs} ms): ` +
+    `next step trained ${recoverSeconds.toFixed(1)} s after it struck (${afterSeconds.toFixed(1)} s after it was over); run ${runSeconds.toFixed(1)} s; ` +
     `tokens generated but not in a finished trajectory: ${regenerated}`);
   return { runId, summary };
 }
@@ -267,14 +271,14 @@ test.each(['actor', 'engine-1', 'rollout', 'control', 'temporal'])('kill -9 %s m
 }, 600_000);
 
 const faults: [string, Fault][] = [['resume-reset', resumeReset], ['engine-hung', hang], ['dead-rendezvous', deadRendezvous]];
-test.each(faults)('%s mid-run: every step once, no trajectory lost or duplicated, no engine left paused', async (name, fault) => {
+test.each(faults)('%s mid-run: every step once, nothing lost or duplicated, no engine left paused', async (name, fault) => {
   const { runId, summary } = await runWithFault(name, fault);
   await expectDurable(runId, summary);
 }, 600_000);
 
-(asRoot ? test : test.skip)('disk-full mid-run: the run goes on once there is room, every step once, no temp file left', async () => {
+(asRoot ? test : test.skip)('disk-full mid-run: the run goes on once there is room, every step once, no temp file', async () => {
   const { runId, summary } = await runWithFault('disk-full', diskFull);
   await expectDurable(runId, summary);
-  const temps = (fs.readdirSync(path.join(stack.storeRoot, runId), { recursive: true }) as string[]).filter((f) => /\.tmp-/.test(f));
-  expect(temps).toEqual([]);
+  const files = fs.readdirSync(path.join(stack.storeRoot, runId), { recursive: true }) as string[];
+  expect(files.filter((f) => /\.tmp-/.test(f))).toEqual([]);
 }, 600_000);

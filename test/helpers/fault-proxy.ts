@@ -9,26 +9,28 @@ import * as http from 'node:http';
 import { freePort } from '../../infra/stack';
 
 export type Hook = () => Promise<'reset' | 'forward'>;
-export interface FaultProxy { url: string; tokens: number; fired: number; once: (route: string, hook: Hook) => void; close: () => void }
+export interface FaultProxy {
+  url: string; tokens: number; fired: number; once: (route: string, hook: Hook) => void; close: () => void;
+}
 
 export async function faultProxy(target: string): Promise<FaultProxy> {
   const upstream = new URL(target);
   const port = await freePort();
   const hooks = new Map<string, Hook>();
   const forward = (req: http.IncomingMessage, res: http.ServerResponse) => {
-    const up = http.request({ host: upstream.hostname, port: upstream.port, path: req.url, method: req.method, headers: req.headers },
-      (answer) => {
-        res.writeHead(answer.statusCode ?? 502, answer.headers);
-        let body = '';
-        answer.on('data', (chunk) => { if (req.url === '/generate') body += chunk; });
-        answer.on('end', () => {
-          for (const line of body.split('\n')) {
-            try { proxy.tokens += (JSON.parse(line).token_ids ?? []).length; } catch { /* not a complete JSON line */ }
-          }
-        });
-        answer.on('close', () => { if (!answer.complete) res.destroy(); }); // the service died mid-answer
-        answer.pipe(res);
+    const target = { host: upstream.hostname, port: upstream.port, path: req.url, method: req.method, headers: req.headers };
+    const up = http.request(target, (answer) => {
+      res.writeHead(answer.statusCode ?? 502, answer.headers);
+      let body = '';
+      answer.on('data', (chunk) => { if (req.url === '/generate') body += chunk; });
+      answer.on('end', () => {
+        for (const line of body.split('\n')) {
+          try { proxy.tokens += (JSON.parse(line).token_ids ?? []).length; } catch { /* not a complete JSON line */ }
+        }
       });
+      answer.on('close', () => { if (!answer.complete) res.destroy(); }); // the service died mid-answer
+      answer.pipe(res);
+    });
     up.on('error', () => res.destroy());
     req.on('error', () => up.destroy());
     req.pipe(up);

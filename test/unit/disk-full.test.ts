@@ -40,10 +40,11 @@ const free = () => fs.rmSync(filler(), { force: true });
 const tempFiles = (dir: string): string[] =>
   (fs.readdirSync(dir, { recursive: true }) as string[]).filter((f) => /\.tmp-/.test(f));
 
-const trajectory = { tokens: Array(4000).fill(7), logprobs: Array(4000).fill(-1), versions: Array(4000).fill(0), lossMask: Array(4000).fill(1) };
+const T = 4000;
+const trajectory = { tokens: Array(T).fill(7), logprobs: Array(T).fill(-1), versions: Array(T).fill(0), lossMask: Array(T).fill(1) };
 const meta = { run: 'r', group: 0, episode: 0, segment: 0, reward: 1, finish: 'stop' };
 
-maybe('store and journal writes on a full disk: ENOSPC naming the file, no temp file left, then they succeed', async () => {
+maybe('store and journal writes on a full disk: ENOSPC naming the file, no temp file, then they succeed', async () => {
   fs.mkdirSync(path.join(disk, 'r', 'trajectories', 'g0'), { recursive: true });
   fs.mkdirSync(path.join(disk, 'r', 'partials', 'g0'), { recursive: true });
   fill();
@@ -51,9 +52,10 @@ maybe('store and journal writes on a full disk: ENOSPC naming the file, no temp 
   await expect(writeTrajectory(disk, key, trajectory, meta))
     .rejects.toThrow(`no space left on device (ENOSPC) writing ${path.join(disk, key)}`);
   const journal = new EpisodeJournal(disk, journalKey('r', 0, 0), null, { tokens: 64, seconds: 5 }, () => undefined);
-  journal.recorded.calls.push({ prompt: 'p', token_ids: trajectory.tokens, logprobs: trajectory.logprobs, versions: trajectory.versions,
-    finish_reason: 'length' });
-  await expect(journal.save()).rejects.toThrow(`no space left on device (ENOSPC) writing ${path.join(disk, journalKey('r', 0, 0))}`);
+  const { tokens, logprobs, versions } = trajectory;
+  journal.recorded.calls.push({ prompt: 'p', token_ids: tokens, logprobs, versions, finish_reason: 'length' });
+  await expect(journal.save())
+    .rejects.toThrow(`no space left on device (ENOSPC) writing ${path.join(disk, journalKey('r', 0, 0))}`);
   expect(tempFiles(disk)).toEqual([]);
 
   free();

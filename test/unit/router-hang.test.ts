@@ -15,8 +15,10 @@ afterAll(async () => {
   await Promise.all(engines.map((e) => e.stop()));
 });
 
-const body = (maxTokens: number, seed: number) =>
-  ({ prompt_token_ids: [99, 111, 112, 121], sampling: { max_tokens: maxTokens, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [], seed } });
+const body = (maxTokens: number, seed: number) => ({
+  prompt_token_ids: [99, 111, 112, 121],
+  sampling: { max_tokens: maxTokens, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [], seed },
+});
 
 test('a hung engine fails over like a dead one and is taken back once it answers again', async () => {
   const [a, b] = engines.map((e) => e.url);
