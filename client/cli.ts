@@ -94,7 +94,8 @@ function rewardCurve(history: number[], width = 60): string {
   if (history.length === 0) return '-';
   const buckets = Math.min(width, history.length);
   const means = Array.from({ length: buckets }, (_, b) => {
-    const part = history.slice(Math.floor((b * history.length) / buckets), Math.floor(((b + 1) * history.length) / buckets));
+    const from = Math.floor((b * history.length) / buckets);
+    const part = history.slice(from, Math.floor(((b + 1) * history.length) / buckets));
     return part.reduce((a, x) => a + x, 0) / part.length;
   });
   const lo = Math.min(0, ...means);
@@ -128,7 +129,9 @@ async function control<R>(runId: string, send: (handle: WorkflowHandle<typeof tr
   try {
     return await send(handle);
   } catch (err) {
-    if (err instanceof WorkflowUpdateFailedError) throw new UsageError(`run ${runId}: ${err.cause?.message ?? err.message}`);
+    if (err instanceof WorkflowUpdateFailedError) {
+      throw new UsageError(`run ${runId}: ${err.cause?.message ?? err.message}`);
+    }
     throw err;
   }
 }
@@ -187,7 +190,8 @@ for (const name of ['start', 'dev'] as const) {
   withOverrides(program.command(name))
     .description(name === 'start'
       ? 'start a run of a recipe on the Temporal server (MOLT_TEMPORAL_ADDRESS)'
-      : 'start a local stack (Temporal dev server + UI, engines, actor, workers), run the recipe to its end, stop the stack')
+      : 'start a local stack (Temporal dev server + UI, engines, actor, workers), run the recipe to its end, '
+        + 'stop the stack')
     .argument('<recipeDir>', 'folder with recipe.json and its agent module')
     .option('--run-id <id>', 'name of the run (default <recipe name>-<date>-<time>); it names the store directory')
     .option('--follow', name === 'start' ? 'draw a live progress bar until the run ends' : 'always on for dev')

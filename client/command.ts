@@ -42,8 +42,8 @@ export function takeRecipeOverrides(args: string[]): { argv: string[]; overrides
 }
 
 interface JsonSchema {
-  type?: string; enum?: unknown[]; anyOf?: JsonSchema[]; properties?: Record<string, JsonSchema>; items?: JsonSchema | false;
-  prefixItems?: JsonSchema[]; additionalProperties?: JsonSchema | false; required?: string[]; default?: unknown;
+  type?: string; enum?: unknown[]; anyOf?: JsonSchema[]; properties?: Record<string, JsonSchema>;
+  items?: JsonSchema | false; prefixItems?: JsonSchema[]; additionalProperties?: JsonSchema | false; required?: string[]; default?: unknown;
   description?: string; minimum?: number; maximum?: number; exclusiveMinimum?: number; exclusiveMaximum?: number;
 }
 
@@ -67,12 +67,12 @@ export function recipeKeysHelp(): string {
     rows.push([isRecord ? `${prefix}.<key>` : prefix, facts.join('; ')]);
   };
   walk(z.toJSONSchema(RecipeConfig, { io: 'input' }) as JsonSchema, '', false);
-  return 'Recipe keys: recipe.json, overridden by --key value or --key=value (numbers, true/false, null and JSON are parsed):\n' +
-    flagRows(rows);
+  return 'Recipe keys: recipe.json, overridden by --key value or --key=value '
+    + `(numbers, true/false, null and JSON are parsed):\n${flagRows(rows)}`;
 }
 
-export const liveSettingsHelp = () =>
-  flagRows(Object.entries(LIVE_SETTINGS).map(([key, schema]) => [key, describeType(z.toJSONSchema(schema) as JsonSchema)]));
+export const liveSettingsHelp = () => flagRows(Object.entries(LIVE_SETTINGS)
+  .map(([key, schema]) => [key, describeType(z.toJSONSchema(schema) as JsonSchema)]));
 
 function flagRows(rows: [string, string][]): string {
   const width = Math.max(...rows.map(([key]) => key.length)) + 4;

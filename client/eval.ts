@@ -11,7 +11,9 @@ import { EngineRouter } from '../agents/router';
 import { UsageError } from './errors';
 
 // overrides: --prompts N and --samples N set eval.prompts and eval.samples; any other --dotted.key is a recipe override.
-export async function evalCheckpoint(checkpointDir: string, recipeDir: string, overrides: Record<string, string>): Promise<EvaluateResult> {
+export async function evalCheckpoint(
+  checkpointDir: string, recipeDir: string, overrides: Record<string, string>,
+): Promise<EvaluateResult> {
   const dir = path.resolve(checkpointDir);
   const files = fs.existsSync(dir) && fs.statSync(dir).isDirectory() ? fs.readdirSync(dir) : null;
   if (files === null) throw new UsageError(`eval: checkpoint ${dir} does not exist (or is not a directory)`);
@@ -20,7 +22,8 @@ export async function evalCheckpoint(checkpointDir: string, recipeDir: string, o
   }
   const { prompts, samples, ...rest } = overrides;
   const config = loadRecipe(recipeDir, {
-    ...rest, ...(prompts !== undefined ? { 'eval.prompts': prompts } : {}), ...(samples !== undefined ? { 'eval.samples': samples } : {}),
+    ...rest, ...(prompts !== undefined ? { 'eval.prompts': prompts } : {}),
+    ...(samples !== undefined ? { 'eval.samples': samples } : {}),
   });
 
   const { startStack } = await import('../infra/stack');
@@ -28,7 +31,8 @@ export async function evalCheckpoint(checkpointDir: string, recipeDir: string, o
   const stack = await startStack({ modelDir: dir, stateDir, engines: config.engines.count, workers: false, quiet: true });
   try {
     const router = new EngineRouter(stack.engines, stack.token);
-    return await new MockActivityEnvironment().run(evaluate, router, { runId: `eval-${path.basename(dir)}`, step: 0, recipeDir: path.resolve(recipeDir), config });
+    const input = { runId: `eval-${path.basename(dir)}`, step: 0, recipeDir: path.resolve(recipeDir), config };
+    return await new MockActivityEnvironment().run(evaluate, router, input);
   } finally {
     await stack.stop();
     fs.rmSync(stateDir, { recursive: true, force: true });

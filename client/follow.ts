@@ -6,7 +6,8 @@ import { progressQuery, type Progress, type trainRun } from '../workflows/train-
 
 export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<void> {
   const bar = new SingleBar({
-    format: 'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready | ETA {etaText} | {state}',
+    format: 'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready '
+      + '| ETA {etaText} | {state}',
     hideCursor: true, noTTYOutput: true, notTTYSchedule: 10_000,
   });
   let started = false;

@@ -4,7 +4,9 @@ import * as path from 'node:path';
 import type { Connection } from '@temporalio/client';
 import type { RecipeConfig } from '../agents/recipe';
 import { TASK_QUEUES, type TrainRunInput } from '../workflows/train-run';
-import { MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, SEARCH_ATTRIBUTE_TYPES } from '../workflows/visibility';
+import {
+  MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, SEARCH_ATTRIBUTE_TYPES,
+} from '../workflows/visibility';
 
 // True when the server has all of Molt's search attributes. Without them the run still works;
 // it only is not searchable by them (the workflow upserts only when MoltRecipe was set at start).
@@ -23,7 +25,10 @@ export function runStartOptions(recipeDir: string, config: RecipeConfig, runId: 
     staticSummary: runSummary(config),
     staticDetails: runDetails(dir, config),
     typedSearchAttributes: searchable
-      ? [{ key: MoltRecipe, value: config.name }, { key: MoltStep, value: 0 }, { key: MoltVersion, value: 0 }, { key: MoltReward, value: 0 }]
+      ? [
+        { key: MoltRecipe, value: config.name }, { key: MoltStep, value: 0 }, { key: MoltVersion, value: 0 },
+        { key: MoltReward, value: 0 },
+      ]
       : [],
   };
 }
