@@ -28,7 +28,9 @@ test('reward_clip: a symmetric bound or a [low, high] range', () => {
 });
 
 test('rollout_correction: sequence gates and divergence gates need mode mask; low <= high', () => {
-  expect(algo({}).rollout_correction).toEqual({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 });
+  // the schema's default is off, as in the original; the copy recipe sets token-level truncation
+  expect(RecipeConfig.shape.algo.parse({}).rollout_correction).toEqual({ level: 'off', mode: 'mask', gate: 'ratio', low: 0.5, high: 5 });
+  expect(algo({}).rollout_correction).toEqual({ level: 'token', mode: 'trunc', gate: 'ratio', low: 0.5, high: 2 });
   expect(algo({ 'algo.rollout_correction': '{"level":"geo","gate":"tv","high":0.1}' }).rollout_correction)
     .toEqual({ level: 'geo', mode: 'mask', gate: 'tv', low: 0.5, high: 0.1 });
   expect(algo({ 'algo.rollout_correction': '{"level":"token","mode":"clip"}' }).rollout_correction.mode).toBe('clip');
