@@ -52,7 +52,8 @@ async function interrupt(moment: Moment, how: 'Ctrl-C twice' | 'SIGTERM'): Promi
   dev.stderr!.on('data', (d) => { log += d; });
   const metrics = path.join(stateDir, 'runs', runId, 'metrics.jsonl');
   const lines = () => (fs.existsSync(metrics) ? fs.readFileSync(metrics, 'utf8').trim().split('\n').filter(Boolean).length : 0);
-  if (moment === 'stack start') await sleep(500 + Math.random() * 8000);
+  // while the engines, the actor and the workers start (the Temporal server is up)
+  if (moment === 'stack start') { await until('the Temporal server', () => log.includes('[stack] temporal')); await sleep(Math.random() * 3000); }
   if (moment === 'mid-run') { await until('step 1', () => lines() >= 1); await sleep(Math.random() * 1500); }
   if (moment === 'final checkpoint') await until('the last step', () => lines() >= STEPS); // the final checkpoint comes next
   const at = moment === 'stack start' && log.includes('started') ? ' (the run had started already)' : '';
