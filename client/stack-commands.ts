@@ -7,7 +7,7 @@ import type { Client } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import type { Command } from 'commander';
 import { REPO_ROOT, resolveModelDir } from '../agents/recipe';
-import { killTree, startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
+import { descendants, killTree, startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
 import { runWorkflowId, trainRun, type TrainRunInput } from '../workflows/train-run';
 import { connect } from './command';
 import { RunNotFound, UsageError } from './errors';
@@ -105,10 +105,15 @@ async function down(o: { stateDir: string }): Promise<void> {
     fs.rmSync(stackFile(stateDir), { force: true });
     return;
   }
-  // Workers first, so that no activity starts while the services go; then everything at once.
+  // Every process of the stack, below the ones `up` started too (torchrun's ranks, tsx's node):
+  // SIGTERM, and SIGKILL for any still there after 15 s.
+  const all = live.flatMap((p) => [p.pid, ...descendants(p.pid)]);
+  const exists = (pid: number) => {
+    try { return !/\) Z /.test(fs.readFileSync(`/proc/${pid}/stat`, 'utf8')); } catch { return false; } // gone, or a zombie
+  };
   for (const p of live) killTree(p.pid, 'SIGTERM');
-  for (const deadline = Date.now() + 15_000; live.some(running) && Date.now() < deadline;) await new Promise((r) => setTimeout(r, 200));
-  for (const p of live.filter(running)) killTree(p.pid, 'SIGKILL');
+  for (const deadline = Date.now() + 15_000; all.some(exists) && Date.now() < deadline;) await new Promise((r) => setTimeout(r, 200));
+  for (const pid of all.filter(exists)) try { process.kill(pid, 'SIGKILL'); } catch { /* gone */ }
   fs.rmSync(stackFile(stateDir), { force: true });
   console.log(`local stack down (${live.map((p) => p.name).join(', ')} stopped); its runs stay in ${stateDir}`);
 }

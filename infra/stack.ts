@@ -125,7 +125,7 @@ function readFrom(file: string, offset: number): string {
 
 // Every process below `pid`, from /proc: torchrun starts its ranks in sessions of their own, so a
 // signal to torchrun's process group does not reach them, and a SIGKILLed torchrun cannot pass it on.
-function descendants(pid: number): number[] {
+export function descendants(pid: number): number[] {
   const children = new Map<number, number[]>();
   for (const entry of fs.readdirSync('/proc').filter((e) => /^\d+$/.test(e))) {
     try {

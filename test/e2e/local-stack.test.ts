@@ -33,7 +33,14 @@ test('up starts a stack that stays; start and status use it; ps lists it; down s
   const record = JSON.parse(fs.readFileSync(path.join(stateDir, 'stack.json'), 'utf8')) as { processes: { name: string; pid: number }[] };
   const pids = record.processes.map((p) => p.pid);
   let all = pids;
-  const alive = () => all.filter((pid) => fs.existsSync(`/proc/${pid}`));
+  const state = (pid: number) => { // "pid state command", or null once gone (a zombie is gone, waiting to be reaped)
+    try {
+      const stat = fs.readFileSync(`/proc/${pid}/stat`, 'utf8');
+      const code = stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3);
+      return code === 'Z' ? null : `${pid} ${code} ${fs.readFileSync(`/proc/${pid}/cmdline`, 'utf8').replace(/\0/g, ' ').slice(0, 120)}`;
+    } catch { return null; }
+  };
+  const alive = () => all.filter((pid) => state(pid) !== null);
   try {
     expect(record.processes.map((p) => p.name).sort()).toEqual(['actor', 'engine-0', 'rollout', 'temporal', 'worker']);
     expect(alive()).toEqual(pids); // the command has exited; its stack has not
@@ -49,7 +56,7 @@ test('up starts a stack that stays; start and status use it; ps lists it; down s
     const down = await runCli(['down', ...where], env);
     expect(down.stdout).toContain('local stack down');
   }
-  expect(alive()).toEqual([]);
+  expect(alive().map(state)).toEqual([]);
   expect((await runCli(['ps', ...where], env)).stdout).toContain('no local stack is up');
   fs.rmSync(stateDir, { recursive: true, force: true });
 }, 900_000);
