@@ -75,6 +75,7 @@ function postTrainStep(e: ServiceEndpoints, runId: string, step: number, manifes
 export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: number): Promise<number> {
   let health = await actorHealth(e);
   if (health.run_id === runId && health.last_step >= upTo) return 0;
+  const init = initDir(e.storeRoot, runId);
   const latestFile = path.join(e.storeRoot, runId, 'checkpoints', 'latest');
   const latest = fs.existsSync(latestFile) ? fs.readFileSync(latestFile, 'utf8').trim() : null;
   if (latest !== null) {
@@ -85,6 +86,12 @@ export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: num
       Context.current().log.info('actor behind the run: loaded its latest checkpoint', { runId, checkpoint: latest, step: state.step });
       health = await actorHealth(e);
     }
+  } else if (health.run_id !== runId && init !== null) {
+    // No checkpoint yet: the run starts (or replays) from its init dir, in the policy and the KL reference.
+    await callService<CheckpointResponse>(e.actor, '/init', e.token,
+      { body: { run_id: runId, path: init }, request: 'InitRequest', response: 'CheckpointResponse' });
+    Context.current().log.info('actor started the run from its init dir', { runId, init });
+    health = await actorHealth(e);
   } else if (health.run_id !== runId && (health.run_id !== null || health.last_step > 0)) {
     // Another run's weights: this run starts (or replays) from the initial weights.
     health = await callService<ActorHealth>(e.actor, '/reset', e.token, { body: {}, response: 'ActorHealth' });
@@ -98,6 +105,13 @@ export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: num
     Context.current().log.info('replayed a step on the actor', { runId, step, pgLoss: replayed.metrics.pg_loss });
   }
   return upTo - from + 1;
+}
+
+// <storeRoot>/<runId>/init holds the path of the directory the run starts from (recipe key `init`),
+// so that every later activity, and a restarted actor before the first checkpoint, finds it.
+function initDir(storeRoot: string, runId: string): string | null {
+  const file = path.join(storeRoot, runId, 'init');
+  return fs.existsSync(file) ? fs.readFileSync(file, 'utf8') : null;
 }
 
 export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInput): Promise<TrainStepResult> {
@@ -143,7 +157,9 @@ async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: 
   // The weights must be those of step `version`: a restarted actor catches up first.
   await heartbeating({ version }, catchUpActor(endpoints, runId, version));
   const actor = await actorHealth(endpoints);
-  if (actor.run_id !== (version === 0 ? null : runId) || actor.last_step !== version) {
+  // At version 0 a run without init holds the initial weights, which belong to no run.
+  const owner = version === 0 && initDir(endpoints.storeRoot, runId) === null ? null : runId;
+  if (actor.run_id !== owner || actor.last_step !== version) {
     throw new Error(`refit: asked for version ${version} of run ${runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
   }
   let pushed: PushWeightsResponse;
@@ -193,6 +209,7 @@ export async function claimActor(endpoints: ServiceEndpoints, input: ClaimInput)
   const holder = fs.existsSync(file) ? fs.readFileSync(file, 'utf8').trim() : '';
   if (holder && holder !== input.runId && await runIsLive(holder)) return { heldBy: holder };
   if (holder !== input.runId) await writeFileAtomic(file, input.runId);
+  if (input.init !== undefined) await writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'init'), input.init);
   // Every engine, whatever version it says: a version number of another run names other weights.
   await pushWeights(endpoints, input.runId, input.step, endpoints.engines);
   Context.current().log.info('run holds the actor and the engines', { runId: input.runId, step: input.step, after: holder || null });

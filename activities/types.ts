@@ -33,7 +33,7 @@ export interface RefitInput { runId: string; version: number }
 export interface RefitResult { version: number; seconds: number; bytes: number }
 
 // A run claims the actor and the engines at its current step (activities/actor.ts, claimActor).
-export interface ClaimInput { runId: string; step: number }
+export interface ClaimInput { runId: string; step: number; init?: string } // init: the recipe's `init` dir
 export interface ClaimResult { heldBy: string | null } // null: claimed; else the run that holds them
 
 export interface ResumePoint { step: number; nextGroupIndex: number; checkpoint: { step: number; path: string } | null }

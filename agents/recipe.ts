@@ -1,6 +1,6 @@
 // The recipe config: one zod schema, checked before anything starts. A recipe is a folder with
 // recipe.json (this schema) and the agent module it names (exports `AgentRunner`).
-import { readFileSync } from 'node:fs';
+import { existsSync, readdirSync, readFileSync, statSync } from 'node:fs';
 import * as path from 'node:path';
 import { z } from 'zod';
 import { LIVE_SETTINGS } from './live-settings';
@@ -85,6 +85,8 @@ export const RecipeConfig = z.strictObject({
   name: z.string().min(1).describe('recipe name; default run ids start with it'),
   agent: z.string().min(1).describe('agent module path, relative to the recipe folder'),
   model: z.string().min(1).describe('local HF model directory, or "tiny" for the generated tiny model'),
+  init: z.string().min(1).optional()
+    .describe('start from these weights: an HF model dir or a Molt checkpoint (model stays the architecture/tokenizer)'),
   seed: z.number().int().default(0).describe('run seed: tasks and sampling seeds derive from it'),
   group_size: z.number().int().positive().describe('episodes per prompt group (G)'),
   // The settings `molt-client set` may change on a running run are in agents/live-settings.ts.
@@ -170,7 +172,27 @@ export function loadRecipe(recipeDir: string, overrides: Record<string, string> 
     const issues = parsed.error.issues.map((i) => `${i.path.join('.') || '(root)'}: ${i.message.replace(/^Invalid input: /, '')}`);
     throw new RecipeError(`recipe config: ${issues.join('; ')}`);
   }
+  if (parsed.data.init !== undefined) {
+    parsed.data.init = path.resolve(parsed.data.init); // workers may run elsewhere: pass an absolute path
+    checkInitDir(parsed.data.init, resolveModelDir(parsed.data.model));
+  }
   return parsed.data;
+}
+
+// The config keys that fix the weights' names and shapes and the token ids' meaning: an init dir
+// that differs from the model in one of them cannot be loaded, or would be read with another vocabulary.
+const SHAPE_KEYS = ['model_type', 'architectures', 'vocab_size', 'hidden_size', 'num_hidden_layers',
+  'num_attention_heads', 'num_key_value_heads', 'head_dim', 'intermediate_size', 'tie_word_embeddings'];
+export function checkInitDir(init: string, modelDir: string): void {
+  const readConfig = (dir: string) => JSON.parse(readFileSync(path.join(dir, 'config.json'), 'utf8')) as Record<string, unknown>;
+  if (!existsSync(init) || !statSync(init).isDirectory()) throw new RecipeError(`init: ${init} is not a directory`);
+  if (!existsSync(path.join(init, 'config.json'))) throw new RecipeError(`init: ${init} has no config.json`);
+  if (!readdirSync(init).some((f) => f.endsWith('.safetensors'))) throw new RecipeError(`init: ${init} has no *.safetensors weights`);
+  if (!existsSync(path.join(modelDir, 'config.json'))) return; // the model's own check names that
+  const [got, want] = [readConfig(init), readConfig(modelDir)];
+  const differ = SHAPE_KEYS.filter((k) => JSON.stringify(got[k]) !== JSON.stringify(want[k]))
+    .map((k) => `${k} ${JSON.stringify(got[k])} (model: ${JSON.stringify(want[k])})`);
+  if (differ.length) throw new RecipeError(`init: ${init} does not fit model ${modelDir}: ${differ.join(', ')}`);
 }
 
 function parseOverride(value: string): unknown {

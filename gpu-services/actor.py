@@ -49,7 +49,7 @@ import weight_transfer
 from algorithm import compute_advantages, entropy_from_logits, loss_divisor, policy_objective, staleness_mask
 from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
                     write_error)
-from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, LogprobsRequest,
+from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, InitRequest, LogprobsRequest,
                       LogprobsResponse, PushWeightsRequest, PushWeightsResponse, TrainStepRequest, TrainStepResponse,
                       WeightReceiveRequest)
 from trajectories import Segment, load_segment, pad_right
@@ -174,7 +174,9 @@ class Actor:
         self.ref = self.sharded(args.ref_model).requires_grad_(False) if args.ref_model else None
         # lr, betas and weight decay are set from the request's algo at every step
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
-        self.version, self.last_step, self.run_id = 0, 0, None
+        self.load_ref(None, None)
+        self.version, self.last_step, self.run_id, self.init_path = 0, 0, None, None
+        self.init_path = None  # the directory the current run started from (/init), kept in its checkpoints
         self.lock = threading.Lock()  # rank 0: one command at a time
         self.log_path = Path(args.state_dir) / "steps.jsonl"
         self.step_log: dict[tuple[str, int], dict] = {}
@@ -425,26 +427,49 @@ class Actor:
         with open(tmp / "optimizer.pt", "wb") as fh:  # a Python file: torch keeps its OSError (e.g. ENOSPC)
             torch.save(optim, fh)
         (tmp / "trainer_state.json").write_text(json.dumps(
-            {"run_id": self.run_id, "step": self.last_step, "version": self.version}))
+            {"run_id": self.run_id, "step": self.last_step, "version": self.version, "init": self.init_path}))
         # the step log, so a fresh actor loading this still replays its steps (from memory: the file may be behind)
         (tmp / "steps.jsonl").write_text("".join(json.dumps(e) + "\n" for e in self.step_log.values()))
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
 
-    def load_checkpoint(self, trainer_state: dict, weights: dict | None = None, optim: dict | None = None) -> None:
-        """All ranks; rank 0 passes the full state read from disk and broadcasts it into every rank's shards."""
+    def load_checkpoint(self, trainer_state: dict, weights: dict | None = None, optim: dict | None = None,
+                        ref_weights: dict | None = None) -> None:
+        """All ranks; rank 0 passes the full state read from disk and broadcasts it into every rank's shards.
+        ref_weights (rank 0: None unless the run started from an init dir) go into the reference model."""
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(self.model, weights or {}, options=options)
         set_optimizer_state_dict(self.model, self.optimizer, optim or {}, options=options)
+        self.load_ref(ref_weights, trainer_state.get("init"))
         self.run_id, self.last_step, self.version = trainer_state["run_id"], trainer_state["step"], trainer_state["version"]
+        self.init_path = trainer_state.get("init")
+
+    def init_weights(self, run_id: str, path: str, weights: dict | None = None) -> None:
+        """All ranks: start run_id at step 0 from the weights of an HF directory (policy and reference model),
+        with a fresh optimizer: the moments of another run (or none, for a plain HF model) do not carry over."""
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(self.model, weights or {}, options=options)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
+        self.load_ref(weights, path)
+        self.run_id, self.last_step, self.version, self.init_path = run_id, 0, 0, path
+
+    def load_ref(self, weights: dict | None, init: str | None) -> None:
+        """All ranks: the KL reference is the run's starting point: its init dir, else --ref-model as loaded."""
+        if self.ref is None or init is None and self.init_path is None:
+            return  # no reference, or it already holds --ref-model's weights
+        if init is None:
+            weights = read_weights(self.ref, self.args.ref_model) if self.rank == 0 else {}
+        set_model_state_dict(self.ref, weights or {}, options=StateDictOptions(full_state_dict=True,
+                                                                               broadcast_from_rank0=True))
 
     def reset(self, weights: dict | None = None) -> None:
         """All ranks: the --model weights (rank 0 passes them, broadcast into every rank's shards), a fresh optimizer."""
         set_model_state_dict(self.model, weights or {}, options=StateDictOptions(full_state_dict=True,
                                                                                   broadcast_from_rank0=True))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
-        self.version, self.last_step, self.run_id = 0, 0, None
+        self.load_ref(None, None)
+        self.version, self.last_step, self.run_id, self.init_path = 0, 0, None, None
 
     # --- the step log (rank 0)
 
@@ -632,10 +657,10 @@ def build_app(actor: Actor, token: str | None):
     def checkpoint_load(req: CheckpointRequest) -> CheckpointResponse:
         with actor.lock:
             try:
-                    trainer_state, weights, optim, log = read_checkpoint(actor, req.path)
+                trainer_state, weights, optim, log, ref = read_checkpoint(actor, req.path)
             except ValueError as e:
                 raise HTTPException(400, str(e))
-            actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim)
+            actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim, ref_weights=ref)
             actor.set_log(log)
             return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
 
@@ -643,44 +668,62 @@ def build_app(actor: Actor, token: str | None):
     def reset() -> ActorHealth:
         """Back to the --model weights and a fresh optimizer: a run without a checkpoint starts from here."""
         with actor.lock:
-            actor.run("reset", weights=read_weights(actor, args.model))
+            actor.run("reset", weights=read_weights(actor.model, args.model))
             actor.set_log([])
         return health()
+
+    @app.post("/init")
+    def init(req: InitRequest) -> CheckpointResponse:
+        """Start run req.run_id at step 0 from any HF model dir or Molt checkpoint (its weights only)."""
+        with actor.lock:
+            try:
+                weights = read_weights(actor.model, req.path)
+            except ValueError as e:
+                raise HTTPException(400, f"init dir {e}")
+            actor.run("init_weights", req.run_id, req.path, weights=weights)
+            actor.set_log([])
+            return CheckpointResponse(path=req.path, step=0, version=0)
 
     return app
 
 
-def read_checkpoint(actor: Actor, path: str) -> tuple[dict, dict, dict, list[dict]]:
-    """Rank 0: trainer state, full weights, optimizer state and step log of a checkpoint dir, checked against the
-    model. The log keeps the checkpoint's run and steps <= its step: later steps are not in these weights."""
-    p = Path(path)
+def read_weights(model, path: str) -> dict:
+    """Rank 0: the full weights of an HF safetensors directory, checked against the model (names and shapes, so
+    another architecture or vocabulary is refused); a ValueError names the directory."""
     try:
         check_model_dir(path)
-        trainer_state = json.loads((p / "trainer_state.json").read_text())
-        weights = read_weights(actor, path)
-        optim = torch.load(p / "optimizer.pt", weights_only=True)
-        log = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
+        weights = {}
+        for f in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(str(f)))
     except (OSError, ValueError, RuntimeError) as e:
-        raise ValueError(f"checkpoint {path!r} is not loadable: {e}") from None
-    log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
-    return trainer_state, weights, optim, log
-
-
-def read_weights(actor: Actor, path: str) -> dict:
-    """Rank 0: the full weights of a model or checkpoint dir (a tied output weight also under its own name),
-    checked against the model."""
-    weights = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        weights.update(load_file(str(f)))
-    tied = tied_output_name(actor.model)
-    if tied is not None and input_embedding_name(actor.model) in weights:
-        weights.setdefault(tied, weights[input_embedding_name(actor.model)])
-    expected = {n: tuple(t.shape) for n, t in actor.full_state_items()}
+        raise ValueError(f"{path!r} is not loadable: {e}") from None
+    tied = tied_output_name(model)
+    if tied is not None and input_embedding_name(model) in weights:
+        weights.setdefault(tied, weights[input_embedding_name(model)])
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}  # DTensors: full shapes
     got = {n: tuple(t.shape) for n, t in weights.items()}
     if got != expected:
         diff = sorted(set(got.items()) ^ set(expected.items()))[:5]
         raise ValueError(f"{path!r} does not fit the model: differing (name, shape) e.g. {diff}")
     return weights
+
+
+def read_checkpoint(actor: Actor, path: str) -> tuple[dict, dict, dict, list[dict], dict | None]:
+    """Rank 0: trainer state, full weights, optimizer state, step log of a checkpoint dir, checked against the
+    model, and the weights of the run's init dir (None without one) for the reference model. The log keeps the
+    checkpoint's run and steps <= its step: later steps are not in these weights."""
+    p = Path(path)
+    try:
+        weights = read_weights(actor.model, path)
+        trainer_state = json.loads((p / "trainer_state.json").read_text())
+        optim = torch.load(p / "optimizer.pt", weights_only=True)
+        log = [json.loads(line) for line in (p / "steps.jsonl").read_text().splitlines() if line.strip()]
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ValueError(f"checkpoint {path!r} is not loadable: {e}") from None
+    init = trainer_state.get("init")
+    ref = read_weights(actor.ref, init) if init is not None and actor.ref is not None else None
+    log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
+    return trainer_state, weights, optim, log, ref
 
 
 def free_port() -> int:

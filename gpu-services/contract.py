@@ -205,6 +205,12 @@ class CheckpointRequest(Strict):
     path: str
 
 
+class InitRequest(Strict):
+    """Start run_id at step 0 from the weights of path: an HF model dir or a Molt checkpoint."""
+    run_id: str
+    path: str
+
+
 class CheckpointResponse(Strict):
     path: str
     step: int
@@ -234,7 +240,7 @@ class ErrorResponse(Strict):
 ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, EngineHealth, PauseRequest,
        AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, AlgoConfig,
        TrainStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
-       CheckpointRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]
+       CheckpointRequest, InitRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]
 
 SCHEMA_PATH = Path(__file__).with_name("contract.schema.json")
 

@@ -325,7 +325,14 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // holds them, with a poll every 10 s growing to a minute. False when the run stops meanwhile.
   async function claim(): Promise<boolean> {
     for (let pollSeconds = 10; state === 'running'; pollSeconds = Math.min(60, pollSeconds * 2)) {
-      const { heldBy } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` }, [{ runId, step: run.step }]);
+      // A run with `init` starts from those weights (actor, KL reference, engines); a directory that
+      // does not fit the model fails the claim for good, and the run with it, naming the directory.
+      const { heldBy } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` },
+        [{ runId, step: run.step, init: config.init }]).catch((err) => {
+        const cause = err instanceof ActivityFailure ? err.cause : err;
+        if (config.init === undefined || !(cause instanceof ApplicationFailure && cause.nonRetryable)) throw err;
+        throw ApplicationFailure.nonRetryable(`run ${runId}: cannot start from init ${config.init}: ${cause.message}`, 'InitFailed');
+      });
       if (heldBy === null) break;
       if (waitingFor !== heldBy) log.info('waiting for the actor', { heldBy });
       waitingFor = heldBy;
