@@ -174,8 +174,7 @@ class Actor:
         self.ref = self.sharded(args.ref_model).requires_grad_(False) if args.ref_model else None
         # lr, betas and weight decay are set from the request's algo at every step
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
-        self.load_ref(None, None)
-        self.version, self.last_step, self.run_id, self.init_path = 0, 0, None, None
+        self.version, self.last_step, self.run_id = 0, 0, None
         self.init_path = None  # the directory the current run started from (/init), kept in its checkpoints
         self.lock = threading.Lock()  # rank 0: one command at a time
         self.log_path = Path(args.state_dir) / "steps.jsonl"
@@ -448,10 +447,10 @@ class Actor:
     def init_weights(self, run_id: str, path: str, weights: dict | None = None) -> None:
         """All ranks: start run_id at step 0 from the weights of an HF directory (policy and reference model),
         with a fresh optimizer: the moments of another run (or none, for a plain HF model) do not carry over."""
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.model, weights or {}, options=options)
+        self.load_ref(dict(weights or {}), path)  # a copy: loading replaces the dict's tensors by shards
+        set_model_state_dict(self.model, weights or {}, options=StateDictOptions(full_state_dict=True,
+                                                                                  broadcast_from_rank0=True))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
-        self.load_ref(weights, path)
         self.run_id, self.last_step, self.version, self.init_path = run_id, 0, 0, path
 
     def load_ref(self, weights: dict | None, init: str | None) -> None:

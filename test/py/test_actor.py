@@ -389,3 +389,28 @@ def test_a_full_disk_is_named_and_the_actor_goes_on_once_there_is_room(store, ti
         assert c.post("/checkpoint/save", json={"path": str(ckpt)}).status_code == 200
         assert (ckpt / "optimizer.pt").is_file()
         assert sorted(p.name for p in small_disk.iterdir()) == ["ckpt", "state"]
+
+
+def test_init_starts_a_run_from_other_weights_in_policy_and_reference(store, tiny_model, tmp_path):
+    """/init: the policy and the KL reference take the weights of another directory, at step 0 of the run;
+    a directory that does not fit is a 400 naming it, and the actor keeps serving."""
+    import shutil
+    from safetensors.torch import load_file as load
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    for f in other.glob("*.safetensors"):
+        save_file({k: v * 1.5 for k, v in load(str(f)).items()}, str(f), metadata={"format": "pt"})
+    rows = load_rows(store)
+    (tmp_path / "state").mkdir()
+    with actor_server(tiny_model, tmp_path / "state", 1, "--ref-model", str(tiny_model)) as url, client(url) as c:
+        base = actor_logprobs(url, rows)
+        r = c.post("/init", json={"run_id": RUN, "path": str(tmp_path / "missing")})
+        assert r.status_code == 400 and str(tmp_path / "missing") in r.json()["error"], r.text
+        r = c.post("/init", json={"run_id": RUN, "path": str(other)})
+        assert r.status_code == 200, r.text
+        health = c.get("/health").json()
+        assert (health["run_id"], health["last_step"], health["version"]) == (RUN, 0, 0)
+        assert (actor_logprobs(url, rows) - base).abs().max() > 0.05  # other weights in the policy
+        r = train(url, store, 1, kl_coef=0.1)
+        assert r.status_code == 200, r.text
+        assert abs(r.json()["metrics"]["kl"]) < 1e-6  # the reference is the same starting point
