@@ -22,6 +22,7 @@ import type { AlgoConfig } from '../agents/recipe';
 import {
   callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
+import { collectGarbage } from './run-folder';
 import { writeFileAtomic } from './store';
 
 // /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
@@ -244,5 +245,8 @@ export async function checkpoint(endpoints: ServiceEndpoints, input: CheckpointI
   const res = await heartbeating({ step: input.step }, callService<CheckpointResponse>(endpoints.actor, '/checkpoint/save', endpoints.token,
     { body: { path: dir }, request: 'CheckpointRequest', response: 'CheckpointResponse' }));
   await writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'checkpoints', 'latest'), dir);
-  return { path: dir, step: res.step };
+  // What this checkpoint made unnecessary (activities/run-folder.ts). Here rather than in an activity of
+  // its own: it must follow a durable checkpoint, and a retry collects again (nothing left: a no-op).
+  const removed = input.gc ? await collectGarbage(endpoints.storeRoot, input.runId, input.gc) : undefined;
+  return { path: dir, step: res.step, ...(removed ? { removed } : {}) };
 }

@@ -198,6 +198,13 @@ export class EpisodeJournal {
     return this.saving;
   }
 
+  // Once the episode is in the store (or failed for good) its journal is only clutter: half the files
+  // of a run's folder were journals of finished episodes. Losing it early would cost regeneration only.
+  async discard(): Promise<void> {
+    await this.saving.catch(() => undefined);
+    await fs.promises.rm(path.join(this.storeRoot, this.key), { force: true });
+  }
+
   // Sampled tokens of the journal as saved: answered calls plus the call in progress.
   tokens(): number {
     return this.savedTokens;

@@ -7,6 +7,7 @@ import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
+import { writeRunConfig, type RunConfigInput } from './run-folder';
 import type { CheckpointInput, ClaimInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
 
 // A body the service rejects as malformed (400) or a wrong token (401) fails the same way on every
@@ -30,6 +31,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     claimActor: (input: ClaimInput) => failFast(claimActor(endpoints, input)),
     resumePoint: (input: { runId: string }) => resumePoint(endpoints, input),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
+    writeRunConfig: (input: RunConfigInput) => writeRunConfig(endpoints.storeRoot, input),
     evaluate: (input: EvaluateInput) => failFast(evaluate(router, input)),
   };
 }

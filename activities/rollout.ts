@@ -4,6 +4,7 @@
 // episodes not yet recorded. An unfinished episode resumes from its journal in the store
 // (activities/episode-journal.ts): its answered LLM calls are replayed to the agent and the call in
 // progress continues from its saved ids. The two agent forms differ only in how one episode is run.
+import { promises as fs } from 'node:fs';
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import { ApplicationFailure } from '@temporalio/common';
@@ -58,6 +59,10 @@ export function episodeRunner(runner: EnvAgentRunner | ChatAgentRunner, modulePa
   return runner.kind === 'env' ? envEpisodes(runner, modulePath, config, task) : chatEpisodes(runner, modulePath, config, task);
 }
 
+// The env failed, or the engine refused this episode's request (e.g. a prompt too long for it): the
+// episode fails, not the activity.
+const episodeFailed = (e: unknown) => e instanceof AgentError || (e instanceof ServiceError && e.status === 400);
+
 export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput): Promise<GroupResult> {
   const started = Date.now();
   const ctx = Context.current();
@@ -100,6 +105,10 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       };
       delete manifest.partial![episode];
       sample ??= describeEpisode(episode, result, config);
+      await journal.discard();
+    } catch (e) {
+      if (episodeFailed(e)) await journal.discard(); // a failed episode is never run again
+      throw e;
     } finally {
       router.endSession(session);
     }
@@ -111,8 +120,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   let fatal: unknown;
   outcomes.forEach((o, i) => {
     if (o.status === 'fulfilled') return;
-    // The env failed, or the engine refused this episode's request (e.g. a prompt too long for it).
-    if (o.reason instanceof AgentError || (o.reason instanceof ServiceError && o.reason.status === 400)) {
+    if (episodeFailed(o.reason)) {
       manifest.failed[todo[i]] = o.reason.message.slice(0, 500); // the manifest stays small; the log has it all
       ctx.log.warn('episode failed', { groupIndex, episode: todo[i], error: o.reason.message });
     } else {
@@ -121,6 +129,8 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   });
   ctx.heartbeat(manifest);
   if (fatal) throw fatal; // the engines failed us: Temporal retries, finished episodes are kept
+  // Every journal of the group is gone: its folder too (store GC removes any left by a lost worker).
+  await fs.rmdir(path.join(endpoints.storeRoot, path.dirname(journalKey(runId, groupIndex, 0)))).catch(() => undefined);
   const failed = Object.keys(manifest.failed).length;
   if (failed > config.rollout.max_failed_fraction * config.group_size) {
     const first = Object.entries(manifest.failed)[0];

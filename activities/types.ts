@@ -1,6 +1,7 @@
 // What crosses Temporal between the loop and its activities: references and small records only,
 // never token arrays (the trajectory store holds those).
 import type { AlgoConfig, RecipeConfig } from '../agents/recipe';
+import type { GcPolicy, GcResult } from './run-folder';
 
 export interface RolloutGroupInput {
   runId: string;
@@ -38,8 +39,9 @@ export interface ClaimResult { heldBy: string | null } // null: claimed; else th
 
 export interface ResumePoint { step: number; nextGroupIndex: number; checkpoint: { step: number; path: string } | null }
 
-export interface CheckpointInput { runId: string; step: number }
-export interface CheckpointResult { path: string; step: number }
+// gc: after the checkpoint, delete what it made unnecessary (activities/run-folder.ts).
+export interface CheckpointInput { runId: string; step: number; gc?: GcPolicy }
+export interface CheckpointResult { path: string; step: number; removed?: GcResult }
 
 // Where the activities find the services; one set per worker process.
 export interface ServiceEndpoints {

@@ -134,6 +134,20 @@ export const RecipeConfig = z.strictObject({
     samples: z.number().int().positive().default(4).describe('sampled episodes per prompt (pass@n)'),
     greedy: z.boolean().default(true).describe('also one greedy episode per prompt'),
   }).default({ every: 0, prompts: 16, samples: 4, greedy: true }),
+  // Optional Weights & Biases logging of every step's metrics (activities/metrics.ts); WANDB_MODE and
+  // WANDB_API_KEY in the control worker's environment apply as usual.
+  wandb: z.strictObject({
+    project: z.string().min(1),
+    entity: z.string().min(1).optional(),
+    mode: z.enum(['online', 'offline']).default('online').describe('offline: written under the run folder, `wandb sync` later'),
+  }).nullable().default(null).describe('Weights & Biases logging (null = off)'),
+  // What the run's folder in the store keeps (activities/store-gc.ts): at each checkpoint, trajectories
+  // and step manifests of the steps inside it are deleted, except those of its last `keep_steps` steps.
+  // The steps after the last checkpoint always stay: a restarted actor replays them from the store.
+  store: z.strictObject({
+    keep_steps: z.number().int().min(0).default(10).describe('trajectories of this many steps before the last checkpoint are kept'),
+    keep_checkpoints: z.number().int().positive().nullable().default(null).describe('checkpoints kept, newest first (null = all)'),
+  }).default({ keep_steps: 10, keep_checkpoints: null }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
 });
 export type RecipeConfig = z.infer<typeof RecipeConfig>;

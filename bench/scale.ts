@@ -89,6 +89,7 @@ function instantActivities(stepTimes: number[]): Activities {
     async claimActor() { return { heldBy: null }; },
     async resumePoint() { return { step: 0, nextGroupIndex: 0, checkpoint: null }; },
     async recordMetrics(input) { stepTimes[input.step] = performance.now(); return { written: true }; },
+    async writeRunConfig() {},
     async evaluate(input) { // not called: the bench recipe has eval.every 0
       return { step: input.step, prompts: 0, samples: 0, greedy_reward: null, sample_reward_mean: 0, 'pass@1': 0, 'pass@n': 0, failed: 0, version_min: version, version_max: version };
     },
@@ -105,7 +106,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
   const workflowBundle = await bundleWorkflowCode({ workflowsPath: path.join(REPO_ROOT, 'workflows', 'index.ts') });
   // As infra/worker.ts sets them up: one optimizer step at a time on the actor queue.
   const workers = await Promise.all([
-    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle, activities: { recordMetrics: activities.recordMetrics } }),
+    Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowBundle, activities: { recordMetrics: activities.recordMetrics, writeRunConfig: activities.writeRunConfig } }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup: activities.rolloutGroup } }),
     Worker.create({ ...common, taskQueue: TASK_QUEUES.actor, activities, maxConcurrentActivityTaskExecutions: 1 }),
   ]);

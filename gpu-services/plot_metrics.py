@@ -1,12 +1,15 @@
-"""Curves of a run's metrics.jsonl (one JSON object per step): a PNG of reward, loss, logprob
-mismatch and throughput, and the same scalars as TensorBoard event files.
+"""Curves of a run's metrics.jsonl (one JSON object per step): a PNG with one panel (its own y axis) per
+quantity, raw points faint and an exponential moving average over them, like TensorBoard's smoothing
+(debiased: s_t = (w * m_{t-1} + (1 - w) * x_t) / (1 - w^t) with m the running mean; --smoothing 0 draws raw).
 
-    python gpu-services/plot_metrics.py <metrics.jsonl> <out.png> [--tensorboard DIR]
+    python gpu-services/plot_metrics.py <metrics.jsonl> <out.png> [--smoothing 0.6] [--tensorboard DIR]
 
-The PNG carries a text chunk "Series" (JSON: panel -> {metric: points}) naming what it draws.
+The PNG carries a text chunk "Series" (JSON: panel -> {metric: points}) naming what it draws. --tensorboard writes
+the same scalars as TensorBoard event files (for runs recorded before the worker wrote them live).
 """
 import argparse
 import json
+import math
 import shutil
 import sys
 
@@ -15,12 +18,20 @@ import matplotlib
 matplotlib.use("Agg")  # no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-# panel title -> metrics drawn in it (those present in the file)
+# panel title -> the metric it draws (panels whose metric the file lacks are left out)
 PANELS = {
-    "reward": ["rollout/reward_mean", "rollout/pass_rate"],
-    "loss": ["pg_loss", "entropy", "kl"],
-    "logprob mismatch (engine vs actor)": ["rollout_kl", "rollout_logp_max_abs_diff"],
-    "throughput (tokens/s)": ["rollout/tokens_per_s"],
+    "reward mean": "rollout/reward_mean",
+    "pass rate (reward >= 1)": "rollout/pass_rate",
+    "eval greedy reward": "eval/greedy_reward",
+    "policy loss": "pg_loss",
+    "entropy": "entropy",
+    "KL to reference": "kl",
+    "grad norm": "grad_norm",
+    "logprob gap, same version (max |actor - engine|)": "rollout_logp_max_abs_diff_same_version",
+    "logprob gap, all tokens (max |actor - engine|)": "rollout_logp_max_abs_diff",
+    "KL engine vs actor": "rollout_kl",
+    "staleness (mean versions behind)": "rollout/staleness_mean",
+    "throughput (tokens/s)": "rollout/tokens_per_s",
 }
 
 
@@ -29,22 +40,35 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot(rows: list[dict], out: str) -> dict:
+def smooth(values: list[float], weight: float) -> list[float]:
+    out, mean = [], 0.0
+    for t, x in enumerate(values, 1):
+        mean = weight * mean + (1 - weight) * x
+        out.append(mean / (1 - weight**t) if weight > 0 else x)
+    return out
+
+
+def plot(rows: list[dict], out: str, smoothing: float = 0.6) -> dict:
+    drawn = {}
+    for title, name in PANELS.items():
+        points = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float)) and math.isfinite(r[name])]
+        if points:
+            drawn[title] = (name, points)
+    cols = 3
+    nrows = max(1, math.ceil(len(drawn) / cols))
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 2.8 * nrows), squeeze=False)
     series = {}
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for ax, (title, names) in zip(axes.flat, PANELS.items()):
-        series[title] = {}
-        for name in names:
-            points = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
-            if not points:
-                continue
-            steps, values = zip(*points)
-            ax.plot(steps, values, label=name, marker="." if len(points) < 30 else None)
-            series[title][name] = len(points)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        if series[title]:
-            ax.legend(fontsize=8)
+    for ax, (title, (name, points)) in zip(axes.flat, drawn.items()):
+        steps, values = zip(*points)
+        ax.plot(steps, values, color="C0", alpha=0.25 if smoothing > 0 else 1, marker="." if len(points) < 30 else None)
+        if smoothing > 0:
+            ax.plot(steps, smooth(list(values), smoothing), color="C0")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        series[title] = {name: len(points)}
+    for ax in list(axes.flat)[len(drawn):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(out, metadata={"Series": json.dumps(series)})
     plt.close(fig)
@@ -67,12 +91,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("metrics")
     ap.add_argument("out")
+    ap.add_argument("--smoothing", type=float, default=0.6, help="moving-average weight in [0, 1); 0 draws raw points")
     ap.add_argument("--tensorboard", help="also write TensorBoard event files to this directory")
     args = ap.parse_args()
     rows = read_metrics(args.metrics)
     if not rows:
         sys.exit(f"{args.metrics}: no steps yet")
-    series = plot(rows, args.out)
+    if not 0 <= args.smoothing < 1:
+        sys.exit(f"--smoothing {args.smoothing}: must be in [0, 1)")
+    series = plot(rows, args.out, args.smoothing)
     if args.tensorboard:
         write_tensorboard(rows, args.tensorboard)
     print(json.dumps(series))

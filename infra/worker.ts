@@ -19,9 +19,14 @@ export interface RunningWorkers {
 export async function runWorkers(opts: { temporalAddress: string; endpoints: ServiceEndpoints; queues?: QueueName[]; namespace?: string }): Promise<RunningWorkers> {
   const connection = await NativeConnection.connect({ address: opts.temporalAddress });
   const common = { connection, namespace: opts.namespace ?? 'default' };
-  const { rolloutGroup, evaluate, trainStep, refit, checkpoint, claimActor, resumePoint, recordMetrics } = createActivities(opts.endpoints);
+  const {
+    rolloutGroup, evaluate, trainStep, refit, checkpoint, claimActor, resumePoint, recordMetrics, writeRunConfig,
+  } = createActivities(opts.endpoints);
   const make: Record<QueueName, () => Promise<Worker>> = {
-    control: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts'), activities: { recordMetrics } }),
+    control: () => Worker.create({
+      ...common, taskQueue: TASK_QUEUES.control, workflowsPath: path.join(__dirname, '..', 'workflows', 'index.ts'),
+      activities: { recordMetrics, writeRunConfig },
+    }),
     rollout: () => Worker.create({ ...common, taskQueue: TASK_QUEUES.rollout, activities: { rolloutGroup, evaluate } }),
     // One optimizer step at a time: the actor is a single trainer. This also makes the claims of
     // runs on the actor (claimActor) one at a time.

@@ -8,7 +8,7 @@
 // which made orchestration the bottleneck of a small step; bench/ item 1). An activity cannot
 // outlive its run, so before continue-as-new the run drains: it stops starting groups, trains the
 // batches that still form, and continues as new once no group is in flight, carrying the results
-// not yet trained. That happens once per few thousand history events (tens of steps).
+// not yet trained. That happens once per ~10,000 history events (~100 steps of the embedded recipe).
 import {
   ActivityFailure, allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery,
   isCancellation, log, proxyActivities, setCurrentDetails, setHandler, sleep, upsertSearchAttributes, workflowInfo,
@@ -20,7 +20,7 @@ import {
   applySettings, checkpointUpdate, currentSettings, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type LiveSetting,
 } from './control';
 import { evalMetrics, stepMetrics } from './step-metrics';
-import { MoltRecipe, MoltReward, MoltStep, MoltVersion, stepDetails } from './visibility';
+import { MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, stepDetails } from './visibility';
 
 export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
 export const runWorkflowId = (runId: string) => `molt-${runId}`;
@@ -44,6 +44,8 @@ export interface Progress {
   paused: boolean; // no new step starts while paused (groups keep generating up to a batch)
   waitingFor: string | null; // the run that holds the actor and engines, while this one waits for them
   settings: Record<LiveSetting, number>; // the live settings the next step uses
+  checkpoint: { step: number; path: string } | null; // the latest
+  liveFrom: number; // groups with this index or above may still be trained (store GC keeps them)
 }
 export interface Dropped { stale: number; empty: number }
 
@@ -62,8 +64,17 @@ export interface Carried {
   paused: boolean;
   lastStepAt: number; // epoch ms when the last step ended (for the step's time split)
   tokensAtLastStep: number; // `tokens` then
+  execution?: number; // 1 for the first execution of the run, +1 at each continue-as-new
 }
 const SAMPLES_PER_STEP = 4; // decoded episodes of each step's batch in <store>/<runId>/samples.jsonl
+// When to continue as new. Not at the server's suggestion (4,096 events or 4 MB here): a step of the
+// embedded recipe fills ~90 events and ~48 KB of history (16 groups x 3 activity events, ~10 workflow
+// tasks, trainStep, refit, recordMetrics), so that came every ~45 steps, each time draining the pool.
+// Instead, below Temporal's warning limits (10,240 events, 10 MB; the hard limits are 51,200 and 50 MB),
+// with room for the drain: each group in flight adds its activity's events and a workflow task.
+const HISTORY_EVENTS = 10_000;
+const HISTORY_BYTES = 8 << 20;
+const DRAIN_EVENTS_PER_GROUP = 5;
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {
@@ -112,11 +123,11 @@ const { trainStep, refit, checkpoint, claimActor, resumePoint } = proxyActivitie
   heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
-// One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step). On the control
-// queue, beside the loop: on the actor's queue (one activity at a time) it could hold up the next
-// trainStep. A line takes milliseconds: a short timeout, so that a write lost with its worker is
-// retried within seconds (the end of the run and continue-as-new wait for it).
-const { recordMetrics } = proxyActivities<Activities>({
+// One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step), and the run's
+// config.json. On the control queue, beside the loop: on the actor's queue (one activity at a time)
+// they could hold up the next trainStep. A write takes milliseconds: a short timeout, so that one
+// lost with its worker is retried within seconds (the end of the run and continue-as-new wait for it).
+const { recordMetrics, writeRunConfig } = proxyActivities<Activities>({
   taskQueue: TASK_QUEUES.control,
   startToCloseTimeout: '10 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
@@ -140,7 +151,9 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     tokens: 0, startedAt: Date.now(), rewardMean: null, rewardHistory: [], lastMetrics: {}, checkpoint: null,
     paused: false, lastStepAt: Date.now(), tokensAtLastStep: 0,
   };
+  const firstStep = run.step; // where this execution started
   const inflight = new Set<number>(); // groups started by this run whose result has not arrived
+  let batchInStep: GroupResult[] = []; // the batch taken for a step, until its trainStep has written the manifest
   let state: Progress['state'] = 'running';
   let waitingFor: string | null = null; // see claim
   let actorBusy = false; // see withActor
@@ -153,6 +166,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // server has them registered: upserting an unknown attribute would fail every workflow task.
   const searchable = workflowInfo().typedSearchAttributes.get(MoltRecipe) !== undefined;
 
+  let configWritten: Promise<unknown> = Promise.resolve(); // see saveConfig
   let fatal: string | undefined; // set when a group broke the failure budget: stop, checkpoint, fail the run
   // The groups' activities run in their own scope, cancelled when the run ends (the rest of the
   // run is non-cancellable: see below).
@@ -189,6 +203,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean, rewardHistory: run.rewardHistory,
       tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
       lastMetrics: run.lastMetrics, dropped: run.dropped, state, paused: run.paused, waitingFor, settings: currentSettings(config),
+      checkpoint: run.checkpoint, liveFrom: liveFrom(),
     };
   });
 
@@ -197,7 +212,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const whileRunning = () => { if (state !== 'running') throw new Error(`run is ${state}`); };
   setHandler(pauseUpdate, () => { run.paused = true; return controlState(); }, { validator: whileRunning });
   setHandler(resumeUpdate, () => { run.paused = false; return controlState(); }, { validator: whileRunning });
-  setHandler(setUpdate, (settings) => { config = applySettings(config, settings); return controlState(); }, {
+  setHandler(setUpdate, (settings) => { config = applySettings(config, settings); saveConfig(); return controlState(); }, {
     validator: (settings) => { whileRunning(); validateSettings(settings); },
   });
   setHandler(checkpointUpdate, async () => {
@@ -243,6 +258,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const stopFilling = async () => { filling = false; await filler; };
 
     showDetails();
+    saveConfig();
     let metricsWritten: Promise<unknown> = Promise.resolve();
     let stepsThisRun = 0;
     while (run.step < config.train.steps && state === 'running') {
@@ -250,6 +266,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       if (batch === null) break; // stopping, or drained: skip the step
 
       const step = run.step + 1; // step s produces policy version s
+      batchInStep = batch;
       const refs = batch.flatMap((g) => g.refs);
       const tokens = batch.reduce((n, g) => n + g.tokens, 0);
       const algo = config.algo; // a `set` during the step applies from the next one
@@ -258,6 +275,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         const result = await trainStep.executeWithOptions(
           { summary: `train step ${step}: ${batch.length} groups, ${refs.length} trajectories, ${tokens} tokens` },
           [{ runId, step, refs, algo }]);
+        batchInStep = []; // the step's manifest names them now
         times.trained = Date.now();
         const refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step }]);
         times.refitted = Date.now();
@@ -280,7 +298,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       const evaluated = config.eval.every > 0 && step % config.eval.every === 0 ? evaluateStep(step) : Promise.resolve({});
       const samples = batch.flatMap((g) => (g.sample ? [{ group: g.groupIndex, ...g.sample }] : [])).slice(0, SAMPLES_PER_STEP);
       metricsWritten = metricsWritten.then(async () => recordMetrics.executeWithOptions(
-        { summary: `metrics of step ${step}` }, [{ runId, step, metrics: { ...metrics, ...(await evaluated) }, samples }]));
+        { summary: `metrics of step ${step}` }, [{
+          runId, step, metrics: { ...metrics, ...(await evaluated) }, samples,
+          wandb: config.wandb ?? undefined, last: step === config.train.steps,
+        }]));
       run.lastStepAt = Date.now();
       run.tokensAtLastStep = run.tokens;
       if (searchable) {
@@ -289,18 +310,25 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       showDetails();
 
       stepsThisRun++;
-      const historyFull = workflowInfo().continueAsNewSuggested || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
+      const history = workflowInfo();
+      const historyFull = history.historyLength + DRAIN_EVENTS_PER_GROUP * config.pool.inflight >= HISTORY_EVENTS
+        || history.historySize >= HISTORY_BYTES || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
       if (historyFull && !draining) { draining = true; await stopFilling(); }
     }
     if (draining && state === 'running' && run.step < config.train.steps) { // drained: nothing in flight
       await metricsWritten;
+      await configWritten;
       await condition(allHandlersFinished);
-      if (state === 'running') return continueAsNew<typeof trainRun>({ ...input, runId, config, carried: run, resumed: false });
+      if (state === 'running') {
+        const carried = { ...run, execution: (run.execution ?? 1) + 1 };
+        return continueAsNew<typeof trainRun>({ ...input, runId, config, carried, resumed: false });
+      }
     }
 
     // Done or stopping: no new groups, a final checkpoint, and the leftover groups cancelled.
     await stopFilling();
     await metricsWritten;
+    await configWritten;
     await withActor(async () => { if (run.step > 0 && run.checkpoint?.step !== run.step) await saveCheckpoint(); });
     groups.cancel();
     if (fatal !== undefined) {
@@ -384,10 +412,23 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     }
   }
 
-  // Call with the actor held (withActor), so the checkpoint holds the step it names.
+  // Call with the actor held (withActor), so the checkpoint holds the step it names. The activity then
+  // deletes what the checkpoint made unnecessary in the store (activities/run-folder.ts).
   async function saveCheckpoint(): Promise<void> {
-    const saved = await checkpoint.executeWithOptions({ summary: `checkpoint step ${run.step}` }, [{ runId, step: run.step }]);
+    const gc = { keepAfterStep: run.step - config.store.keep_steps, liveFrom: liveFrom(), keepCheckpoints: config.store.keep_checkpoints };
+    const saved = await checkpoint.executeWithOptions({ summary: `checkpoint step ${run.step}` }, [{ runId, step: run.step, gc }]);
     run.checkpoint = { step: saved.step, path: saved.path };
+  }
+
+  // The lowest group index a later step may still train: groups in flight, waiting, or in the step.
+  function liveFrom(): number {
+    return Math.min(run.nextGroupIndex, ...inflight, ...run.ready.map((g) => g.groupIndex), ...batchInStep.map((g) => g.groupIndex));
+  }
+
+  // <store>/<runId>/config.json: the config as it is now (at each execution's start and after a `set`).
+  function saveConfig(): void {
+    const written = configWritten;
+    configWritten = written.then(() => writeRunConfig({ runId, recipeDir, config }));
   }
 
   // One actor call sequence at a time: a step (train, refit, checkpoint) or a requested checkpoint.
@@ -406,6 +447,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
   function showDetails(): void {
     setCurrentDetails(stepDetails({
+      runId, summary: runSummary(config), details: runDetails(recipeDir, config), execution: run.execution ?? 1, firstStep,
       step: run.step, totalSteps: config.train.steps, rewardMean: run.rewardMean, paused: run.paused, state,
       lr: config.algo.lr, batchGroups: config.batch.groups, inflight: inflight.size, ready: run.ready.length, checkpoint: run.checkpoint?.path ?? null,
       waitingFor,

@@ -24,18 +24,26 @@ export function runDetails(recipeDir: string, config: RecipeConfig): string {
 }
 
 export interface StepView {
+  runId: string; summary: string; details: string; // the run's static summary and details (the first execution's)
+  execution: number; firstStep: number; // which execution of the chain this is, and the step it started from
   step: number; totalSteps: number; rewardMean: number | null; paused: boolean; state: 'running' | 'stopping' | 'done';
   lr: number; batchGroups: number; inflight: number; ready: number; checkpoint: string | null;
   waitingFor?: string | null;
 }
 
 // The run's "current details" in the UI, rewritten after each step and on each control change.
+// Continue-as-new cannot give the next execution a static summary or details (neither the SDK's
+// options nor the command carry them), so every execution shows them here: each one says which
+// run, which link of its chain, and which step it is.
 export function stepDetails(v: StepView): string {
   const state = v.waitingFor ? `**waiting for the actor, held by run ${v.waitingFor}**`
     : v.state === 'running' && v.paused ? '**paused**' : v.state;
+  const chain = v.execution > 1 ? `execution ${v.execution} of the run, continued as new at step ${v.firstStep}` : 'first execution of the run';
   return [
-    `step **${v.step}/${v.totalSteps}** (${state}), reward mean ${v.rewardMean?.toFixed(4) ?? '-'}`,
+    `run **${v.runId}**: ${v.summary}`,
+    `step **${v.step}/${v.totalSteps}** (${state}), reward mean ${v.rewardMean?.toFixed(4) ?? '-'}; ${chain}`,
     `lr ${v.lr}, batch ${v.batchGroups} groups; ${v.inflight} groups running, ${v.ready} ready`,
     `checkpoint: ${v.checkpoint ?? 'none yet'}`,
+    v.details,
   ].join('\n\n');
 }

@@ -24,7 +24,10 @@ const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
 const STEPS = 40;
 // The recipe's learning rate is set for a stable climb to 0.9 over a few hundred steps (bench/learning.ts);
 // this test has 40 steps to show that the policy learns at all, so it trains at 3e-3, fast and unstable later.
-const OVERRIDES = { 'train.steps': String(STEPS), 'checkpoint.every': '20', 'engines.count': '2', 'algo.lr': '3e-3' };
+// Every trajectory stays in the store (store.keep_steps), so that all of them can be checked below.
+const OVERRIDES = {
+  'train.steps': String(STEPS), 'checkpoint.every': '20', 'engines.count': '2', 'algo.lr': '3e-3', 'store.keep_steps': String(STEPS),
+};
 
 let stack: Stack;
 let client: Client;

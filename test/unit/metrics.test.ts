@@ -1,10 +1,17 @@
-// metrics.jsonl (one whole line per step, whatever is retried or torn) and `molt-client plot`'s
-// PNG and TensorBoard files, drawn by the real matplotlib/tensorboard in the venv.
+// metrics.jsonl (one whole line per step, whatever is retried or torn), the TensorBoard events and
+// Weights & Biases run written beside it as the run goes (read back by the real tensorboard and
+// wandb libraries in the venv), and `molt-client plot`'s PNG drawn by matplotlib.
+import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { metricsFile, readMetrics, recordMetrics } from '../../activities/metrics';
+import { closeWandb, metricsFile, readMetrics, recordMetrics } from '../../activities/metrics';
+import { crc32c, eventFile } from '../../activities/tensorboard';
+import { REPO_ROOT } from '../../agents/recipe';
 import { plotRun } from '../../client/plot';
+
+const python = (code: string, ...args: string[]) =>
+  execFileSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['-c', code, ...args], { encoding: 'utf8', env: { ...process.env, OMP_NUM_THREADS: '1' } });
 
 let storeRoot: string;
 beforeEach(() => { storeRoot = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-metrics-')); });
@@ -20,6 +27,51 @@ test('one line per step: a retried step writes nothing, a torn last line is cut 
   const rows = await readMetrics(storeRoot, 'r');
   expect(rows.map((r) => [r.step, r.loss])).toEqual([[1, 1], [2, 0.5]]);
 });
+
+test('TensorBoard events are written live, one event per step: the tensorboard library reads them back', async () => {
+  expect(crc32c(Buffer.from('123456789'))).toBe(0xe3069283); // the CRC-32C check value
+  await recordMetrics(endpoints(), { runId: 't', step: 1, metrics: { 'rollout/reward_mean': 0.25, grad_norm: 3 } });
+  await recordMetrics(endpoints(), { runId: 't', step: 2, metrics: { 'rollout/reward_mean': 0.5, grad_norm: 2 } });
+  await recordMetrics(endpoints(), { runId: 't', step: 2, metrics: { 'rollout/reward_mean': 9, grad_norm: 9 } }); // a retry
+  const scalars = JSON.parse(python(`
+import json, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+ea = EventAccumulator(sys.argv[1]); ea.Reload()
+print(json.dumps({t: [[e.step, e.value] for e in ea.Scalars(t)] for t in ea.Tags()["scalars"]}))`, path.dirname(eventFile(path.join(storeRoot, 't')))));
+  expect(scalars).toEqual({ 'rollout/reward_mean': [[1, 0.25], [2, 0.5]], grad_norm: [[1, 3], [2, 2]] });
+});
+
+test('Weights & Biases (offline): every step is logged to a wandb run named after the run, finished after the last step', async () => {
+  const wandb = { project: 'molt-test', mode: 'offline' as const };
+  process.env.WANDB_MODE = 'offline';
+  try {
+    for (let step = 1; step <= 3; step++) {
+      await recordMetrics(endpoints(), { runId: 'w', step, metrics: { 'rollout/reward_mean': step / 4 }, wandb, last: step === 3 });
+    }
+    await closeWandb('w'); // already closing after the last step: waits for the logger to exit
+  } finally {
+    delete process.env.WANDB_MODE;
+  }
+  // The offline run file is a LevelDB-style log of wandb Record protos (7-byte header, 32 KiB blocks of
+  // crc32 | u16 length | type | data records); its history records are the logged steps.
+  const history = JSON.parse(python(`
+import glob, json, sys
+from wandb.proto import wandb_internal_pb2 as pb
+[f] = glob.glob(sys.argv[1] + "/wandb/offline-run-*-w/run-w.wandb")
+data, at, buf, rows = open(f, "rb").read(), 7, b"", []
+while at + 7 <= len(data):
+    if 32768 - at % 32768 < 7:
+        at += 32768 - at % 32768; continue
+    length, kind = int.from_bytes(data[at + 4:at + 6], "little"), data[at + 6]
+    buf += data[at + 7:at + 7 + length]; at += 7 + length
+    if kind in (1, 4):
+        r = pb.Record(); r.ParseFromString(buf); buf = b""
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            rows.append([items["_step"], items["rollout/reward_mean"]])
+print(json.dumps(rows))`, path.join(storeRoot, 'w')));
+  expect(history).toEqual([[1, 0.25], [2, 0.5], [3, 0.75]]);
+}, 120_000);
 
 // The text chunks of a PNG (after the 8-byte signature: length, type, data, crc per chunk).
 function pngText(png: Buffer): Record<string, string> {
@@ -37,11 +89,11 @@ function pngText(png: Buffer): Record<string, string> {
   return text;
 }
 
-test('plot: a PNG with reward, loss, mismatch and throughput series, and TensorBoard events', async () => {
+test('plot: a PNG with one panel per quantity (grad norm and the same-version logprob gap among them), and TensorBoard events', async () => {
   for (let step = 1; step <= 3; step++) {
     await recordMetrics(endpoints(), { runId: 'p', step, metrics: {
-      pg_loss: 1 / step, entropy: 2, kl: 0, rollout_kl: 1e-4, rollout_logp_max_abs_diff: 2e-4,
-      'rollout/reward_mean': step / 3, 'rollout/pass_rate': 0.1 * step, 'rollout/tokens_per_s': 100 * step,
+      pg_loss: 1 / step, entropy: 2, kl: 0, rollout_kl: 1e-4, rollout_logp_max_abs_diff: 2e-4, rollout_logp_max_abs_diff_same_version: 1e-6,
+      grad_norm: 0.5, 'rollout/reward_mean': step / 3, 'rollout/pass_rate': 0.1 * step, 'rollout/tokens_per_s': 100 * step,
     } });
   }
   const out = path.join(storeRoot, 'curves.png');
@@ -51,11 +103,21 @@ test('plot: a PNG with reward, loss, mismatch and throughput series, and TensorB
   expect(bytes.subarray(0, 8)).toEqual(Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]));
   expect(bytes.toString('latin1', 12, 16)).toBe('IHDR');
   expect(JSON.parse(pngText(bytes).Series)).toEqual({
-    reward: { 'rollout/reward_mean': 3, 'rollout/pass_rate': 3 },
-    loss: { pg_loss: 3, entropy: 3, kl: 3 },
-    'logprob mismatch (engine vs actor)': { rollout_kl: 3, rollout_logp_max_abs_diff: 3 },
+    'reward mean': { 'rollout/reward_mean': 3 },
+    'pass rate (reward >= 1)': { 'rollout/pass_rate': 3 },
+    'policy loss': { pg_loss: 3 },
+    entropy: { entropy: 3 },
+    'KL to reference': { kl: 3 },
+    'grad norm': { grad_norm: 3 },
+    'logprob gap, same version (max |actor - engine|)': { rollout_logp_max_abs_diff_same_version: 3 },
+    'logprob gap, all tokens (max |actor - engine|)': { rollout_logp_max_abs_diff: 3 },
+    'KL engine vs actor': { rollout_kl: 3 },
     'throughput (tokens/s)': { 'rollout/tokens_per_s': 3 },
   });
+  expect(fs.readdirSync(tensorboard)).toEqual(['events.out.tfevents.molt']); // the live file; plot adds none
+  // A run recorded before the worker wrote events: plot writes them from metrics.jsonl.
+  fs.rmSync(tensorboard, { recursive: true });
+  await plotRun('p', storeRoot, out);
   expect(fs.readdirSync(tensorboard).some((f) => f.startsWith('events.out.tfevents'))).toBe(true);
   await expect(plotRun('missing', storeRoot)).rejects.toThrow(`no metrics for run missing (looked for ${storeRoot}/missing/metrics.jsonl)`);
 });

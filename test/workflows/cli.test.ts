@@ -7,6 +7,7 @@ import { Context } from '@temporalio/activity';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import { createActivities } from '../../activities';
 import { readMetrics, recordMetrics, type RecordMetricsInput } from '../../activities/metrics';
+import { runConfigPath, writeRunConfig, type RunConfigInput } from '../../activities/run-folder';
 import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { setUpdate } from '../../workflows/control';
 import { startTemporal, withWorkers } from '../helpers/temporal';
@@ -55,6 +56,7 @@ const activities = {
   async claimActor() { return { heldBy: null }; },
   async checkpoint(input: { runId: string; step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
   recordMetrics: (input: RecordMetricsInput) => recordMetrics({ engines: [], actor: '', token: '', storeRoot }, input),
+  writeRunConfig: (input: RunConfigInput) => writeRunConfig(storeRoot, input),
 };
 
 test('start with a bad override exits 2 and names the field', async () => {
@@ -140,6 +142,8 @@ test('pause, set, checkpoint and resume a running run; metrics.jsonl has one lin
     expect((await handle.result()).steps).toBe(3);
     expect(trainCalls.filter((c) => c.runId === 'cli3').map((c) => c.algo.lr)).toEqual([1e-5, 3e-4, 3e-4]);
     expect((await readMetrics(storeRoot, 'cli3')).map((r) => r.step)).toEqual([1, 2, 3]);
+    // The run's folder holds its resolved config, as the `set` changed it.
+    expect(JSON.parse(fs.readFileSync(runConfigPath(storeRoot, 'cli3'), 'utf8'))).toMatchObject({ runId: 'cli3', config: { algo: { lr: 3e-4 } } });
     const plot = await cli('plot', 'cli3', '--store', storeRoot);
     expect(plot.stdout).toContain(`wrote ${storeRoot}/cli3/metrics.png`);
     expect(fs.readFileSync(path.join(storeRoot, 'cli3', 'metrics.png')).subarray(1, 4).toString()).toBe('PNG');

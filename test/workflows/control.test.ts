@@ -44,6 +44,7 @@ function services() {
       return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
     },
     async recordMetrics(input: RecordMetricsInput) { s.metrics.push(input); return { written: true }; },
+    async writeRunConfig() {},
   };
   return { s, activities };
 }
@@ -156,6 +157,14 @@ test('the UI view: search attributes, summaries; one metrics record per step wit
     expect(d.memo).toMatchObject({ recipe: 'ctl', steps: 2 });
     const metadata = await handle.query<{ currentDetails: string }>('__temporal_workflow_metadata');
     expect(metadata.currentDetails).toContain('step **2/2** (done), reward mean 0.5000');
+    // Every execution of the chain says which run it is (summary and details), and which link and step.
+    expect(metadata.currentDetails).toContain('run **ui**: ctl: 2 steps of 1 groups x 2 episodes, model tiny');
+    expect(metadata.currentDetails).toContain('execution 2 of the run, continued as new at step 1');
+    expect(metadata.currentDetails).toContain('**recipe** `/tmp/recipe`');
+    const firstMetadata = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId)
+      .query<{ currentDetails: string }>('__temporal_workflow_metadata');
+    expect(firstMetadata.currentDetails).toContain('run **ui**: ctl: 2 steps of 1 groups x 2 episodes, model tiny');
+    expect(firstMetadata.currentDetails).toContain('step **1/2** (running), reward mean 0.5000; first execution of the run');
     // The static summary belongs to the first run of the chain (continue-as-new does not carry it).
     const first = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId).describe();
     expect(await first.staticSummary()).toBe('ctl: 2 steps of 1 groups x 2 episodes, model tiny');

@@ -29,6 +29,7 @@ test('evaluate runs every eval.every steps, concurrently with training, and its 
     async claimActor() { return { heldBy: null }; },
     async checkpoint(input: { runId: string; step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
     async recordMetrics(input: RecordMetricsInput) { metrics.push(input); return { written: true }; },
+    async writeRunConfig() {},
     async evaluate(input: EvaluateInput): Promise<EvaluateResult> {
       evaluated.push(input);
       if (input.step === 2) { // held until training has reached step 4: a loop that waited for it would never finish

@@ -34,6 +34,7 @@ const activities = {
   async claimActor() { return { heldBy: null }; },
   async checkpoint(input: { step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
   async recordMetrics() { return { written: true }; },
+  async writeRunConfig() {},
 };
 
 test('schedule: create with an overlap policy, trigger starts a run, describe lists it, pause and delete', async () => {

@@ -6,7 +6,7 @@ import { ApplicationFailure, CancelledFailure } from '@temporalio/common';
 import type { WorkflowHandle } from '@temporalio/client';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { RecordMetricsInput } from '../../activities/metrics';
-import type { GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
+import type { CheckpointInput, GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { RecipeConfig } from '../../agents/recipe';
 import { groupActivityId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
 import { startTemporal, waitFor, withWorkers } from '../helpers/temporal';
@@ -15,12 +15,14 @@ let env: TestWorkflowEnvironment;
 beforeAll(async () => { env = await startTemporal(); });
 afterAll(async () => { await env?.teardown(); });
 
-function makeConfig(o: { inflight: number; groups: number; steps: number; every?: number; algo?: object; staleness_mode?: string }): RecipeConfig {
+function makeConfig(o: {
+  inflight: number; groups: number; steps: number; every?: number; algo?: object; staleness_mode?: string; store?: object;
+}): RecipeConfig {
   return RecipeConfig.parse({
     name: 'test', agent: 'agent.ts', model: 'tiny', group_size: 2,
     pool: { inflight: o.inflight }, batch: { groups: o.groups }, train: { steps: o.steps },
     checkpoint: { every: o.every ?? 100 }, sampling: { max_tokens: 4 }, algo: o.algo ?? {},
-    staleness_mode: o.staleness_mode ?? 'mask',
+    staleness_mode: o.staleness_mode ?? 'mask', store: o.store,
   });
 }
 
@@ -40,6 +42,7 @@ function fakeServices(opts: {
     trainCalls: [] as { input: TrainStepInput; attempt: number; workflowRunId: string }[],
     refits: [] as number[],
     checkpoints: [] as number[],
+    checkpointInputs: [] as CheckpointInput[],
     metrics: [] as RecordMetricsInput[],
   };
   const activities = {
@@ -86,14 +89,16 @@ function fakeServices(opts: {
       return { version: input.version, seconds: 0, bytes: 0 };
     },
     async claimActor() { return { heldBy: null }; },
-    async checkpoint(input: { runId: string; step: number }) {
+    async checkpoint(input: CheckpointInput) {
       s.checkpoints.push(input.step);
+      s.checkpointInputs.push(input);
       return { path: `/ckpt/${input.runId}/step-${input.step}`, step: input.step };
     },
     async recordMetrics(input: RecordMetricsInput) {
       s.metrics.push(input);
       return { written: true };
     },
+    async writeRunConfig() {},
   };
   return { s, activities };
 }
@@ -233,6 +238,26 @@ test.each([
     expect(summary.dropped).toEqual(dropped);
     expect(stepBatches(s)[1]).toEqual(mode === 'drop' ? [5, 6] : [2, 3]);
   });
+});
+
+test('each checkpoint tells the store what it may delete: the steps inside it but the kept ones, never a group a later step trains', async () => {
+  const runId = 'gc';
+  // Groups take 0-59 ms, so they arrive out of index order; every third has no episode (dropped).
+  const { s, activities } = fakeServices({ rolloutMs: 0, empty: (g) => g % 3 === 2 });
+  const slow = activities.rolloutGroup;
+  activities.rolloutGroup = async (input) => { await Context.current().sleep((input.groupIndex * 37) % 60); return slow(input); };
+  await withWorkers(env, activities, async () => {
+    const handle = await start(runId, makeConfig({ inflight: 5, groups: 2, steps: 8, every: 2, store: { keep_steps: 1, keep_checkpoints: 3 } }));
+    await handle.result();
+  });
+  const batches = stepBatches(s); // groups of step i + 1
+  expect(s.checkpointInputs.map((c) => c.step)).toEqual([2, 4, 6, 8]);
+  for (const c of s.checkpointInputs) {
+    expect(c.gc).toMatchObject({ keepAfterStep: c.step - 1, keepCheckpoints: 3 });
+    const later = batches.slice(c.step).flat(); // trained after this checkpoint: must survive it
+    expect(Math.min(...later)).toBeGreaterThanOrEqual(c.gc!.liveFrom);
+    expect(c.gc!.liveFrom).toBeGreaterThan(Math.min(...batches.slice(0, c.step).flat())); // and it lets go of trained ones
+  }
 });
 
 test('a group with no finished episode is dropped, not trained', async () => {

@@ -42,6 +42,7 @@ const activities = {
   async claimActor() { return { heldBy: null }; },
   async checkpoint(input: { step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
   async recordMetrics() { return { written: true }; },
+  async writeRunConfig() {},
 };
 
 maybe('the UI lists the run by its search attributes and shows them', async () => {

@@ -1,0 +1,83 @@
+// What a run's folder in the store keeps. <storeRoot>/<runId>/ holds
+//   config.json                        the resolved config the run started with (rewritten by each execution)
+//   trajectories/g<group>/e<ep>-s<seg>.safetensors   one file per episode segment (activities/store.ts)
+//   partials/g<group>/e<ep>.json       journals of unfinished episodes (deleted once the episode is stored)
+//   steps/step-<n>.json                what step n trained (activities/actor.ts)
+//   checkpoints/step-<n>/, latest      weights and optimizer state
+//   metrics.jsonl, tensorboard/        per-step metrics
+// Without collection a 600-step run of the embedded recipe left 154,675 files (711 MB).
+//
+// Garbage, once step `c` is checkpointed: the manifests of steps <= c (a restarted actor loads the
+// latest checkpoint and replays only the steps after it) and the trajectories of those steps, except
+// the last `store.keep_steps` of them (to look at). What a later step may still train must stay:
+// groups in flight or waiting for a batch. Group indexes only grow, so the loop names them by one
+// number, `liveFrom`: every group below it has been trained or dropped. A group dir below it that no
+// kept manifest names is deleted whole, which also covers dropped groups and cancelled leftovers.
+import { promises as fs } from 'node:fs';
+import * as path from 'node:path';
+import type { RecipeConfig } from '../agents/recipe';
+import { writeFileAtomic } from './store';
+
+export interface GcPolicy {
+  keepAfterStep: number; // manifests of steps <= this go, and their trajectories
+  liveFrom: number; // groups with index >= this may still be trained: never touched
+  keepCheckpoints: number | null; // the newest this many checkpoints stay (and always the latest); null: all
+}
+export interface GcResult { files: number; bytes: number } // removed: files and directories, bytes of files
+
+export function runConfigPath(storeRoot: string, runId: string): string {
+  return path.join(storeRoot, runId, 'config.json');
+}
+
+export interface RunConfigInput { runId: string; recipeDir: string; config: RecipeConfig }
+export async function writeRunConfig(storeRoot: string, input: RunConfigInput): Promise<void> {
+  await writeFileAtomic(runConfigPath(storeRoot, input.runId), `${JSON.stringify(input, null, 2)}\n`);
+}
+
+// Entries of `dir` named like `pattern` (one numeric capture), with their numbers; none if it is missing.
+async function numbered(dir: string, pattern: RegExp): Promise<{ name: string; n: number }[]> {
+  const names = await fs.readdir(dir).catch((e) => { if (e.code === 'ENOENT') return [] as string[]; throw e; });
+  return names.flatMap((name) => { const m = pattern.exec(name); return m ? [{ name, n: Number(m[1]) }] : []; });
+}
+
+// Removes a file or a tree, adding what it held to `removed`.
+async function remove(target: string, removed: GcResult): Promise<void> {
+  const stat = await fs.lstat(target).catch(() => null);
+  if (!stat) return;
+  if (stat.isDirectory()) {
+    for (const name of await fs.readdir(target)) await remove(path.join(target, name), removed);
+    await fs.rmdir(target);
+  } else {
+    await fs.unlink(target);
+    removed.bytes += stat.size;
+  }
+  removed.files++;
+}
+
+export async function collectGarbage(storeRoot: string, runId: string, policy: GcPolicy): Promise<GcResult> {
+  const runDir = path.join(storeRoot, runId);
+  const removed: GcResult = { files: 0, bytes: 0 };
+  const keptGroups = new Set<number>();
+  for (const { name, n } of await numbered(path.join(runDir, 'steps'), /^step-(\d+)\.json$/)) {
+    const file = path.join(runDir, 'steps', name);
+    if (n <= policy.keepAfterStep) { await remove(file, removed); continue; }
+    const { refs } = JSON.parse(await fs.readFile(file, 'utf8')) as { refs: string[] };
+    for (const ref of refs) {
+      const m = /\/trajectories\/g(\d+)\//.exec(ref);
+      if (m) keptGroups.add(Number(m[1]));
+    }
+  }
+  for (const kind of ['trajectories', 'partials']) {
+    for (const { name, n } of await numbered(path.join(runDir, kind), /^g(\d+)$/)) {
+      if (n < policy.liveFrom && !keptGroups.has(n)) await remove(path.join(runDir, kind, name), removed);
+    }
+  }
+  if (policy.keepCheckpoints !== null) {
+    const latest = await fs.readFile(path.join(runDir, 'checkpoints', 'latest'), 'utf8').then((s) => path.basename(s.trim()), () => null);
+    const saved = (await numbered(path.join(runDir, 'checkpoints'), /^step-(\d+)$/)).sort((a, b) => b.n - a.n);
+    for (const { name } of saved.slice(policy.keepCheckpoints)) {
+      if (name !== latest) await remove(path.join(runDir, 'checkpoints', name), removed);
+    }
+  }
+  return removed;
+}
