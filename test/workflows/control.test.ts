@@ -110,6 +110,17 @@ test('set changes lr and batch size from the next step, across continue-as-new; 
     expect(summary.steps).toBe(3);
     expect(s.trainCalls.map((c) => [c.step, c.algo.lr, c.refs.length])).toEqual([[1, 1e-3, 2], [2, 1e-4, 4], [3, 1e-4, 4]]);
     expect(s.metrics.map((m) => m.metrics['control/lr'])).toEqual([1e-3, 1e-4, 1e-4]);
+    // Step 2 drained the first execution (its groups 1 and 2 were in flight); step 3 came in the second.
+    // Each execution of the chain says which run it is, which link, and which step (UI current details).
+    const details = async (runId: string) => (await env.client.workflow.getHandle(handle.workflowId, runId)
+      .query<{ currentDetails: string }>('__temporal_workflow_metadata')).currentDetails;
+    const last = await details((await env.client.workflow.getHandle(handle.workflowId).describe()).runId); // the latest
+    expect(last).toContain('run **set**: ctl: 3 steps of 2 groups x 2 episodes, model tiny'); // as set
+    expect(last).toContain('step **3/3** (done), reward mean 0.5000; execution 2 of the run, continued as new at step 2');
+    expect(last).toContain('**recipe** `/tmp/recipe`');
+    const first = await details(handle.firstExecutionRunId);
+    expect(first).toContain('run **set**: ctl: 3 steps of 2 groups x 2 episodes, model tiny');
+    expect(first).toContain('step **2/3** (running), reward mean 0.5000; first execution of the run');
   });
 });
 
@@ -157,14 +168,9 @@ test('the UI view: search attributes, summaries; one metrics record per step wit
     expect(d.memo).toMatchObject({ recipe: 'ctl', steps: 2 });
     const metadata = await handle.query<{ currentDetails: string }>('__temporal_workflow_metadata');
     expect(metadata.currentDetails).toContain('step **2/2** (done), reward mean 0.5000');
-    // Every execution of the chain says which run it is (summary and details), and which link and step.
+    // The details say which run this is: its summary and static details (see the set test for a chain).
     expect(metadata.currentDetails).toContain('run **ui**: ctl: 2 steps of 1 groups x 2 episodes, model tiny');
-    expect(metadata.currentDetails).toContain('execution 2 of the run, continued as new at step 1');
     expect(metadata.currentDetails).toContain('**recipe** `/tmp/recipe`');
-    const firstMetadata = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId)
-      .query<{ currentDetails: string }>('__temporal_workflow_metadata');
-    expect(firstMetadata.currentDetails).toContain('run **ui**: ctl: 2 steps of 1 groups x 2 episodes, model tiny');
-    expect(firstMetadata.currentDetails).toContain('step **1/2** (running), reward mean 0.5000; first execution of the run');
     // The static summary belongs to the first run of the chain (continue-as-new does not carry it).
     const first = await env.client.workflow.getHandle(handle.workflowId, handle.firstExecutionRunId).describe();
     expect(await first.staticSummary()).toBe('ctl: 2 steps of 1 groups x 2 episodes, model tiny');

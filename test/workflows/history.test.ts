@@ -34,7 +34,7 @@ test('the run continues as new near Temporal\'s warning limits, not at the serve
       workflowId: runWorkflowId('history'), taskQueue: TASK_QUEUES.control, args: [{ runId: 'history', recipeDir: '/tmp/recipe', config }],
     });
     expect((await handle.result()).steps).toBe(30);
-    const { historyLength, runId } = await handle.describe();
+    const { historyLength, runId } = await env.client.workflow.getHandle(handle.workflowId).describe(); // the latest execution
     expect(historyLength).toBeGreaterThan(300); // the server suggested continue-as-new long before
     expect(runId).toBe(handle.firstExecutionRunId); // one execution
   });
