@@ -3,6 +3,7 @@
 // Parsing is commander's; a command is one `program.command(...)` block below (or a function of
 // `program` in its own file, like schedule). Exit codes: 0 done, 1 a run failed or was not found,
 // 2 bad input (usage, recipe config, agent module, a rejected value).
+import * as fs from 'node:fs';
 import * as path from 'node:path';
 import {
   WorkflowExecutionAlreadyStartedError, WorkflowFailedError, WorkflowNotFoundError, WorkflowUpdateFailedError,
@@ -19,8 +20,9 @@ import { connect, liveSettingsHelp, recipeKeysHelp, takeRecipeOverrides, type Te
 import { RunNotFound, UsageError } from './errors';
 import { evalCheckpoint } from './eval';
 import { follow, formatSeconds } from './follow';
+import { gcRun, type Live } from './gc';
+import { plotRun, storeCandidates } from './plot';
 import { formatSamples, readSamples } from './samples';
-import { plotRun } from './plot';
 import { addScheduleCommands } from './schedule';
 import { addStackCommands, withDevStack } from './stack-commands';
 import { hasSearchAttributes, runStartOptions } from './start-options';
@@ -306,6 +308,43 @@ program.command('plot')
   .action(async (runId: string, opts: { store?: string; out?: string }) => {
     const { png, tensorboard } = await plotRun(runId, opts.store, opts.out);
     console.log(`wrote ${png}\nTensorBoard events in ${tensorboard}`);
+  });
+
+program.command('gc')
+  .description('delete what a run no longer needs from the store, as each of its checkpoints does: step manifests and '
+    + 'trajectories of the steps inside the last checkpoint (but its last store.keep_steps), journals and groups no step '
+    + 'will train, checkpoints beyond store.keep_checkpoints')
+  .argument('<runId>')
+  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .option('--keep-steps <n>', 'override store.keep_steps of the run\'s config.json')
+  .option('--keep-checkpoints <n>', 'override store.keep_checkpoints (a number, or "all")')
+  .option('--ended', 'the run is not running: do not ask Temporal (e.g. a run of a dev stack that is gone)')
+  .action(async (runId: string, opts: { store?: string; keepSteps?: string; keepCheckpoints?: string; ended?: boolean }) => {
+    const storeRoot = storeCandidates(opts.store).find((s) => fs.existsSync(path.join(s, runId)));
+    if (!storeRoot) throw new RunNotFound(`no folder for run ${runId} in ${storeCandidates(opts.store).join(', ')}`);
+    const count = (flag: string, value: string, min: number) => {
+      if (!/^\d+$/.test(value) || Number(value) < min) throw new UsageError(`${flag}: "${value}" must be an integer >= ${min}`);
+      return Number(value);
+    };
+    const keepSteps = opts.keepSteps === undefined ? undefined : count('--keep-steps', opts.keepSteps, 0);
+    const keepCheckpoints = opts.keepCheckpoints === undefined ? undefined
+      : opts.keepCheckpoints === 'all' ? null : count('--keep-checkpoints', opts.keepCheckpoints, 1);
+    // A running run names what it may still train; one Temporal does not know is refused unless --ended.
+    let live: Live | 'ended' = 'ended';
+    if (!opts.ended) {
+      const temporal = await connect().catch((e) => { throw new Error(`${(e as Error).message}; if run ${runId} has ended, pass --ended`); });
+      const { handle, description } = await existingRun(temporal, runId).catch((e) => {
+        throw e instanceof RunNotFound ? new RunNotFound(`${e.message}; if it has ended (e.g. on another stack), pass --ended`) : e;
+      });
+      if (description.status.name === 'RUNNING') {
+        const p = await queryProgress(temporal, handle);
+        if (!p) throw new Error(`run ${runId} is running but does not answer (is a molt-control worker up?): nothing deleted`);
+        live = { checkpointStep: p.checkpoint?.step ?? null, liveFrom: p.liveFrom };
+      }
+    }
+    const { policy, removed } = await gcRun(storeRoot, runId, live, { keepSteps, keepCheckpoints });
+    console.log(`run ${runId}: removed ${removed.files} files and folders (${(removed.bytes / 1e6).toFixed(1)} MB) from ${path.join(storeRoot, runId)}; `
+      + `kept the steps after ${policy.keepAfterStep}${live === 'ended' ? '' : ` and groups from ${policy.liveFrom}`}`);
   });
 
 withOverrides(program.command('eval'))

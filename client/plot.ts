@@ -11,8 +11,14 @@ import { eventFile } from '../activities/tensorboard';
 import { REPO_ROOT } from '../agents/recipe';
 import { RunNotFound } from './errors';
 
+// Where to look for a run's folder, in order (also `molt-client gc`).
+export function storeCandidates(store?: string): string[] {
+  return (store ? [store] : [process.env.MOLT_STORE, path.join(REPO_ROOT, '.molt', 'stack', 'runs'), 'runs'])
+    .filter((s): s is string => !!s).map((s) => path.resolve(s));
+}
+
 export async function plotRun(runId: string, store?: string, out?: string, smoothing = 0.6): Promise<{ png: string; tensorboard: string }> {
-  const stores = store ? [store] : [process.env.MOLT_STORE, path.join(REPO_ROOT, '.molt', 'stack', 'runs'), 'runs'].filter((s): s is string => !!s);
+  const stores = storeCandidates(store);
   const file = stores.map((s) => metricsFile(path.resolve(s), runId)).find((f) => fs.existsSync(f));
   if (!file) throw new RunNotFound(`no metrics for run ${runId} (looked for ${stores.map((s) => metricsFile(path.resolve(s), runId)).join(', ')})`);
   const png = path.resolve(out ?? path.join(path.dirname(file), 'metrics.png'));

@@ -233,3 +233,46 @@ test('status of a terminated run prints the reason and exits 1', async () => {
   expect(status.stdout).toContain('run term: TERMINATED');
   expect(status.stderr.trim()).toBe('run molt-term ended: TERMINATED: the operator stopped it');
 });
+
+test('gc: a run that ended keeps what its policy says; a running run is asked what it may still train; unknown runs are refused', async () => {
+  // A run's folder as the workers leave it: step s trained group s - 1, groups 4 and 5 were left over;
+  // the last checkpoint is at step 4.
+  const make = (runId: string) => {
+    const write = (rel: string, text: string) => {
+      fs.mkdirSync(path.dirname(path.join(storeRoot, runId, rel)), { recursive: true });
+      fs.writeFileSync(path.join(storeRoot, runId, rel), text);
+    };
+    for (let step = 1; step <= 4; step++) {
+      write(`steps/step-${step}.json`, JSON.stringify({ refs: [`${runId}/trajectories/g${step - 1}/e0-s0.safetensors`], algo: {} }));
+    }
+    for (let g = 0; g <= 5; g++) write(`trajectories/g${g}/e0-s0.safetensors`, 'x');
+    write('checkpoints/step-4/trainer_state.json', JSON.stringify({ step: 4 }));
+    write('checkpoints/latest', path.join(storeRoot, runId, 'checkpoints', 'step-4'));
+  };
+  const groups = (runId: string) => fs.readdirSync(path.join(storeRoot, runId, 'trajectories')).sort();
+  make('gc1');
+  const unknown = await cli('gc', 'gc1', '--store', storeRoot);
+  expect([unknown.code, unknown.stderr.trim()]).toEqual([1, 'no run molt-gc1; if it has ended (e.g. on another stack), pass --ended']);
+  const bad = await cli('gc', 'gc1', '--store', storeRoot, '--keep-steps', 'x');
+  expect([bad.code, bad.stderr.trim()]).toEqual([2, '--keep-steps: "x" must be an integer >= 0']);
+  const ended = await cli('gc', 'gc1', '--store', storeRoot, '--ended', '--keep-steps', '1');
+  expect(ended.code).toBe(0); // manifests of steps 1-3, groups 0-2 and 4-5 (a folder and a file each)
+  expect(ended.stdout).toContain(`run gc1: removed 13 files and folders (0.0 MB) from ${storeRoot}/gc1; kept the steps after 3`);
+  expect(groups('gc1')).toEqual(['g3']);
+  expect(fs.readdirSync(path.join(storeRoot, 'gc1', 'steps'))).toEqual(['step-4.json']);
+  const missing = await cli('gc', 'nope', '--store', storeRoot, '--ended');
+  expect([missing.code, missing.stderr.trim()]).toEqual([1, `no folder for run nope in ${storeRoot}`]);
+
+  await withWorkers(env, activities, async () => {
+    holdTraining = true;
+    expect((await cli('start', recipeDir, '--run-id', 'gc2', '--train.steps', '2')).code).toBe(0);
+    while (!trainCalls.some((c) => c.runId === 'gc2')) await new Promise((r) => setTimeout(r, 20));
+    make('gc2'); // pretend: the loop has no checkpoint yet and group 0 is in its step
+    const running = await cli('gc', 'gc2', '--store', storeRoot, '--keep-steps', '0');
+    holdTraining = false;
+    expect(running.code).toBe(0);
+    expect(running.stdout).toContain('kept the steps after 0 and groups from 0'); // the loop's answer, not the folder's checkpoint
+    expect(groups('gc2')).toEqual(['g0', 'g1', 'g2', 'g3', 'g4', 'g5']);
+    await env.client.workflow.getHandle('molt-gc2').result();
+  });
+});
