@@ -205,7 +205,7 @@ const diskFull: Fault = async (runId) => {
 };
 
 // One run with one fault; then checks and figures.
-async function runWithFault(name: string, fault: Fault) {
+async function runWithFault(name: string, fault: Fault, runConfig = config) {
   const runId = `fault-${name}-${SEED}`;
   // Every run starts on a fresh actor (an actor refuses a second run's step 1 on top of another run).
   await stack.restart('actor', 'SIGTERM');
@@ -214,7 +214,7 @@ async function runWithFault(name: string, fault: Fault) {
   const delayMs = Math.floor(rand() * 1000);
   const started = Date.now();
   const handle = await client.workflow.start(trainRun, {
-    workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }],
+    workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config: runConfig }],
   });
   while ((await actorStep(runId)) < killAfterStep) await sleep(100);
   await sleep(delayMs);
@@ -281,4 +281,23 @@ test.each(faults)('%s mid-run: every step once, nothing lost or duplicated, no e
   await expectDurable(runId, summary);
   const files = fs.readdirSync(path.join(stack.storeRoot, runId), { recursive: true }) as string[];
   expect(files.filter((f) => /\.tmp-/.test(f))).toEqual([]);
+}, 600_000);
+
+// The store collected at every checkpoint (store.keep_steps 0, one checkpoint kept): the restarted actor
+// still finds the steps after its last checkpoint (manifests and trajectories) and replays them, and the
+// run's folder ends with nothing of the steps inside the final checkpoint.
+test('kill -9 actor mid-run while the store is collected at every checkpoint: the replay finds its steps', async () => {
+  const collected = { ...config, store: { keep_steps: 0, keep_checkpoints: 1 } };
+  const { runId, summary } = await runWithFault('actor-gc', kill('actor'), collected);
+  expect(summary).toMatchObject({ steps: STEPS, stopped: false });
+  const inputs = await trainStepInputs(runId);
+  expect(inputs.map((t) => t.step)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
+  const log = fs.readFileSync(path.join(stack.stateDir, 'actor', 'steps.jsonl'), 'utf8').trim().split('\n').map((l) => JSON.parse(l));
+  expect(log.filter((e) => e.run_id === runId).map((e) => e.step)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
+  expect(await actorHealth()).toMatchObject({ run_id: runId, last_step: STEPS });
+  const runDir = path.join(stack.storeRoot, runId);
+  expect(fs.readdirSync(path.join(runDir, 'steps'))).toEqual([]);
+  expect(fs.readdirSync(path.join(runDir, 'checkpoints')).sort()).toEqual(['latest', `step-${STEPS}`]);
+  const trained = inputs.flatMap((t) => t.refs);
+  expect(trained.filter((ref) => fs.existsSync(path.join(stack.storeRoot, ref)))).toEqual([]);
 }, 600_000);
