@@ -11,8 +11,9 @@
 // latest checkpoint and replays only the steps after it) and the trajectories of those steps, except
 // the last `store.keep_steps` of them (to look at). What a later step may still train must stay:
 // groups in flight or waiting for a batch. Group indexes only grow, so the loop names them by one
-// number, `liveFrom`: every group below it has been trained or dropped. A group dir below it that no
-// kept manifest names is deleted whole, which also covers dropped groups and cancelled leftovers.
+// number, `liveFrom`: every group below it has been trained or dropped. A group dir that no kept
+// manifest names is deleted whole if a deleted manifest names it or it is below `liveFrom` (which
+// covers dropped groups and, once the run has ended, cancelled leftovers).
 import { promises as fs } from 'node:fs';
 import * as path from 'node:path';
 import type { RecipeConfig } from '../agents/recipe';
@@ -57,23 +58,25 @@ async function remove(target: string, removed: GcResult): Promise<void> {
 export async function collectGarbage(storeRoot: string, runId: string, policy: GcPolicy): Promise<GcResult> {
   const runDir = path.join(storeRoot, runId);
   const removed: GcResult = { files: 0, bytes: 0 };
-  const keptGroups = new Set<number>();
+  const keptGroups = new Set<number>(); // named by a kept manifest
+  const doneGroups = new Set<number>(); // named by a manifest that goes: trained, inside the checkpoint
   for (const { name, n } of await numbered(path.join(runDir, 'steps'), /^step-(\d+)\.json$/)) {
     const file = path.join(runDir, 'steps', name);
-    if (n <= policy.keepAfterStep) { await remove(file, removed); continue; }
     const { refs } = JSON.parse(await fs.readFile(file, 'utf8')) as { refs: string[] };
     for (const ref of refs) {
       const m = /\/trajectories\/g(\d+)\//.exec(ref);
-      if (m) keptGroups.add(Number(m[1]));
+      if (m) (n <= policy.keepAfterStep ? doneGroups : keptGroups).add(Number(m[1]));
     }
+    if (n <= policy.keepAfterStep) await remove(file, removed);
   }
   for (const kind of ['trajectories', 'partials']) {
     for (const { name, n } of await numbered(path.join(runDir, kind), /^g(\d+)$/)) {
-      if (n < policy.liveFrom && !keptGroups.has(n)) await remove(path.join(runDir, kind, name), removed);
+      if (!keptGroups.has(n) && (n < policy.liveFrom || doneGroups.has(n))) await remove(path.join(runDir, kind, name), removed);
     }
   }
   if (policy.keepCheckpoints !== null) {
-    const latest = await fs.readFile(path.join(runDir, 'checkpoints', 'latest'), 'utf8').then((s) => path.basename(s.trim()), () => null);
+    const latest = await fs.readFile(path.join(runDir, 'checkpoints', 'latest'), 'utf8')
+      .then((s) => path.basename(s.trim()), () => null);
     const saved = (await numbered(path.join(runDir, 'checkpoints'), /^step-(\d+)$/)).sort((a, b) => b.n - a.n);
     for (const { name } of saved.slice(policy.keepCheckpoints)) {
       if (name !== latest) await remove(path.join(runDir, 'checkpoints', name), removed);

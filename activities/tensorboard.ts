@@ -42,7 +42,9 @@ export function eventFile(runDir: string): string {
   return path.join(runDir, 'tensorboard', 'events.out.tfevents.molt');
 }
 
-export async function appendScalars(runDir: string, step: number, scalars: Record<string, number>, wallTime = Date.now() / 1000): Promise<void> {
+export async function appendScalars(
+  runDir: string, step: number, scalars: Record<string, number>, wallTime = Date.now() / 1000,
+): Promise<void> {
   const file = eventFile(runDir);
   await fs.mkdir(path.dirname(file), { recursive: true });
   const handle = await fs.open(file, 'a');

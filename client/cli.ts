@@ -343,7 +343,8 @@ program.command('gc')
       }
     }
     const { policy, removed } = await gcRun(storeRoot, runId, live, { keepSteps, keepCheckpoints });
-    console.log(`run ${runId}: removed ${removed.files} files and folders (${(removed.bytes / 1e6).toFixed(1)} MB) from ${path.join(storeRoot, runId)}; `
+    const mb = (removed.bytes / 1e6).toFixed(1);
+    console.log(`run ${runId}: removed ${removed.files} files and folders (${mb} MB) from ${path.join(storeRoot, runId)}; `
       + `kept the steps after ${policy.keepAfterStep}${live === 'ended' ? '' : ` and groups from ${policy.liveFrom}`}`);
   });
 

@@ -17,7 +17,8 @@ export async function gcRun(storeRoot: string, runId: string, live: Live | 'ende
   if (!fs.existsSync(runDir)) throw new UsageError(`gc: no folder for run ${runId} in ${storeRoot}`);
   const configFile = runConfigPath(storeRoot, runId);
   // A run from before config.json existed gets the defaults.
-  const saved = fs.existsSync(configFile) ? (JSON.parse(fs.readFileSync(configFile, 'utf8')) as { config: RecipeConfig }).config.store : undefined;
+  const saved = fs.existsSync(configFile)
+    ? (JSON.parse(fs.readFileSync(configFile, 'utf8')) as { config: RecipeConfig }).config.store : undefined;
   const store = RecipeConfig.shape.store.parse(saved);
   const keepSteps = overrides.keepSteps ?? store.keep_steps;
   const checkpointStep = live === 'ended' ? latestCheckpointStep(runDir) : live.checkpointStep;

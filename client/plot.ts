@@ -17,7 +17,9 @@ export function storeCandidates(store?: string): string[] {
     .filter((s): s is string => !!s).map((s) => path.resolve(s));
 }
 
-export async function plotRun(runId: string, store?: string, out?: string, smoothing = 0.6): Promise<{ png: string; tensorboard: string }> {
+export async function plotRun(
+  runId: string, store?: string, out?: string, smoothing = 0.6,
+): Promise<{ png: string; tensorboard: string }> {
   const stores = storeCandidates(store);
   const file = stores.map((s) => metricsFile(path.resolve(s), runId)).find((f) => fs.existsSync(f));
   if (!file) throw new RunNotFound(`no metrics for run ${runId} (looked for ${stores.map((s) => metricsFile(path.resolve(s), runId)).join(', ')})`);

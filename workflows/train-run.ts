@@ -415,14 +415,17 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // Call with the actor held (withActor), so the checkpoint holds the step it names. The activity then
   // deletes what the checkpoint made unnecessary in the store (activities/run-folder.ts).
   async function saveCheckpoint(): Promise<void> {
-    const gc = { keepAfterStep: run.step - config.store.keep_steps, liveFrom: liveFrom(), keepCheckpoints: config.store.keep_checkpoints };
+    const gc = {
+      keepAfterStep: run.step - config.store.keep_steps, liveFrom: liveFrom(), keepCheckpoints: config.store.keep_checkpoints,
+    };
     const saved = await checkpoint.executeWithOptions({ summary: `checkpoint step ${run.step}` }, [{ runId, step: run.step, gc }]);
     run.checkpoint = { step: saved.step, path: saved.path };
   }
 
   // The lowest group index a later step may still train: groups in flight, waiting, or in the step.
   function liveFrom(): number {
-    return Math.min(run.nextGroupIndex, ...inflight, ...run.ready.map((g) => g.groupIndex), ...batchInStep.map((g) => g.groupIndex));
+    const waiting = [...run.ready, ...batchInStep].map((g) => g.groupIndex);
+    return Math.min(run.nextGroupIndex, ...inflight, ...waiting);
   }
 
   // <store>/<runId>/config.json: the config as it is now (at each execution's start and after a `set`).

@@ -69,13 +69,17 @@ test('a collection after checkpoint 5 keeps the steps after it, the kept steps a
   expect(await collectGarbage(storeRoot, 'r', { keepAfterStep: 4, liveFrom: 13, keepCheckpoints: 1 })).toEqual({ files: 0, bytes: 0 });
 });
 
-test('the latest checkpoint stays whatever keep_checkpoints says; null keeps them all; nothing is touched above liveFrom', async () => {
+test('the latest checkpoint stays whatever keep_checkpoints says; null keeps them all; above liveFrom only trained groups go', async () => {
   makeRun('r');
   write('r/checkpoints/latest', path.join(storeRoot, 'r', 'checkpoints', 'step-4')); // step-6 being written
   await collectGarbage(storeRoot, 'r', { keepAfterStep: 0, liveFrom: 0, keepCheckpoints: 1 });
   const entries = tree('r').entries;
   expect(entries.filter((e) => /^checkpoints\/step-\d+$/.test(e))).toEqual(['checkpoints/step-4', 'checkpoints/step-6']);
   expect(groupsIn(entries, 'trajectories')).toEqual([...Array(15).keys()]);
+  // Groups a deleted manifest names go even above liveFrom (a slow group holds liveFrom low).
+  makeRun('t');
+  await collectGarbage(storeRoot, 't', { keepAfterStep: 4, liveFrom: 2, keepCheckpoints: null });
+  expect(groupsIn(tree('t').entries, 'trajectories')).toEqual([8, 9, 10, 11, 12, 13, 14]);
   makeRun('s');
   await collectGarbage(storeRoot, 's', { keepAfterStep: 6, liveFrom: 13, keepCheckpoints: null });
   expect(tree('s').entries.filter((e) => /^checkpoints\/step-\d+$/.test(e))).toHaveLength(3);
