@@ -19,6 +19,7 @@ const activities = {
   },
   async trainStep(input: TrainStepInput) { return { step: input.step, version: input.step, replayed: false, metrics: {} }; },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
+  async claimActor() { return { heldBy: null }; },
   async checkpoint(input: { step: number }) { return { path: `/ckpt/step-${input.step}`, step: input.step }; },
   async recordMetrics() { return { written: true }; },
   async writeRunConfig() {},
