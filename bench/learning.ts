@@ -3,7 +3,7 @@
 // fresh stack, through Temporal as a user runs it), plus async with the engines slowed by a CPU
 // quota and a deeper pool, so that the data is several versions stale.
 //
-//   npm run bench:learning [-- --seeds 3 --tasks copy,reverse --no-slow --steps N --out DIR --set algo.lr=3e-3,...]
+//   npm run bench:learning [-- --seeds 3 --first-seed 0 --tasks copy,reverse --no-slow --steps N --out DIR --set algo.lr=3e-3,...]
 //
 // Writes bench-out/learning/report.json (every curve), report.md (the table) and curves.png.
 import { execFileSync } from 'node:child_process';
@@ -159,15 +159,16 @@ function render(summaries: ReturnType<typeof summarize>[], bands: Record<string,
 
 async function main() {
   const { values } = parseArgs({ options: {
-    seeds: { type: 'string', default: '3' }, tasks: { type: 'string', default: 'copy,reverse' },
+    seeds: { type: 'string', default: '3' }, 'first-seed': { type: 'string', default: '0' }, tasks: { type: 'string', default: 'copy,reverse' },
     'no-slow': { type: 'boolean', default: false }, steps: { type: 'string' }, variants: { type: 'string' },
     out: { type: 'string', default: path.join(REPO_ROOT, 'bench-out', 'learning') },
     set: { type: 'string', default: '' }, // recipe overrides for every run: key=value,key=value
+    merge: { type: 'string' }, // report.json files of runs made apart (e.g. in parallel): one report of them all
   } });
   const OUT = path.resolve(values.out!);
   const extra = Object.fromEntries(values.set!.split(',').filter(Boolean).map((kv) => kv.split('=') as [string, string]));
   if (values.steps !== undefined) extra['train.steps'] = values.steps;
-  const seeds = [...Array(Number(values.seeds)).keys()];
+  const seeds = [...Array(Number(values.seeds)).keys()].map((i) => i + Number(values['first-seed']));
   const tasks = values.tasks!.split(',');
   for (const t of tasks) if (!TASKS[t]) throw new Error(`unknown task ${t} (${Object.keys(TASKS).join(', ')})`);
   const wanted = values.variants?.split(',') ?? VARIANTS.map((v) => v.name);
@@ -181,7 +182,12 @@ async function main() {
     fs.writeFileSync(path.join(OUT, 'report.json'), JSON.stringify({ summaries, bands, curves }, null, 1));
     fs.writeFileSync(path.join(OUT, 'report.md'), render(summaries, bands));
   };
-  for (const task of tasks) {
+  if (values.merge) {
+    for (const file of values.merge.split(',')) curves.push(...(JSON.parse(fs.readFileSync(file, 'utf8')) as { curves: Curve[] }).curves);
+    curves.sort((a, b) => a.task.localeCompare(b.task) || a.seed - b.seed || a.variant.localeCompare(b.variant));
+    save();
+  }
+  for (const task of values.merge ? [] : tasks) {
     for (const seed of seeds) {
       // Sync and async of one seed back to back, so that both see the machine in the same state.
       for (const v of variants.filter((x) => task === 'copy' || !x.slow)) {
