@@ -2,7 +2,7 @@
 actor, both bf16 on the GPU, a few train steps with a refit after each, printing tokens/s, step time, refit time
 and the engine-vs-actor logprob mismatch at each version. Takes a few minutes; exits non-zero on any failure.
 
-    python gpu-services/gpu_check.py [--steps 3] [--prompts 16] [--group 8] [--max-tokens 64] [--layers 8]
+    python bench/gpu_check.py [--steps 3] [--prompts 16] [--group 8] [--max-tokens 64] [--layers 8]
 
 The model is a random-init Qwen3 (byte tokenizer from make_tiny_model.py) scaled to --hidden/--layers, big enough
 for the GPU timings to mean something. Refit goes through the actor's /push_weights; on one GPU both ranks of the
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-GPU = Path(__file__).resolve().parent
+GPU = Path(__file__).resolve().parent.parent / "gpu-services"
 TOKEN = "gpu-check"
 
 
