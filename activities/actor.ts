@@ -210,11 +210,28 @@ export async function claimActor(endpoints: ServiceEndpoints, input: ClaimInput)
   const holder = fs.existsSync(file) ? fs.readFileSync(file, 'utf8').trim() : '';
   if (holder && holder !== input.runId && await runIsLive(holder)) return { heldBy: holder };
   if (holder !== input.runId) await writeFileAtomic(file, input.runId);
-  if (input.init !== undefined) await writeFileAtomic(path.join(endpoints.storeRoot, input.runId, 'init'), input.init);
+  const initFile = path.join(endpoints.storeRoot, input.runId, 'init');
+  let init = input.init;
+  if (input.lineage !== undefined) {
+    // Fixed once, at the run's first claim: a later claim must not move it to a firing that ended since.
+    init = fs.existsSync(initFile) ? undefined : previousFiringCheckpoint(endpoints.storeRoot, input.lineage, input.runId) ?? input.init;
+  }
+  if (init !== undefined) await writeFileAtomic(initFile, init);
   // Every engine, whatever version it says: a version number of another run names other weights.
   await pushWeights(endpoints, input.runId, input.step, endpoints.engines);
   Context.current().log.info('run holds the actor and the engines', { runId: input.runId, step: input.step, after: holder || null });
   return { heldBy: null };
+}
+
+// The latest checkpoint of the newest earlier firing of schedule `scheduleId` that has one. A firing's
+// run id is `<scheduleId>-<ISO time>`, so the names sort by firing time.
+function previousFiringCheckpoint(storeRoot: string, scheduleId: string, runId: string): string | undefined {
+  const isFiring = (name: string) => name.startsWith(`${scheduleId}-`) && /^\d{4}-\d\d-\d\dT/.test(name.slice(scheduleId.length + 1));
+  for (const name of fs.readdirSync(storeRoot).filter((n) => isFiring(n) && n < runId).sort().reverse()) {
+    const latest = path.join(storeRoot, name, 'checkpoints', 'latest');
+    if (fs.existsSync(latest)) return fs.readFileSync(latest, 'utf8').trim();
+  }
+  return undefined;
 }
 
 async function runIsLive(runId: string): Promise<boolean> {

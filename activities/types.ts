@@ -34,7 +34,8 @@ export interface RefitInput { runId: string; version: number }
 export interface RefitResult { version: number; seconds: number; bytes: number }
 
 // A run claims the actor and the engines at its current step (activities/actor.ts, claimActor).
-export interface ClaimInput { runId: string; step: number; init?: string } // init: the recipe's `init` dir
+// init: the recipe's `init` dir; lineage: a schedule id whose previous firing's latest checkpoint the run starts from
+export interface ClaimInput { runId: string; step: number; init?: string; lineage?: string }
 export interface ClaimResult { heldBy: string | null } // null: claimed; else the run that holds them
 
 export interface ResumePoint { step: number; nextGroupIndex: number; checkpoint: { step: number; path: string } | null }

@@ -5,12 +5,12 @@ import {
 } from '@temporalio/client';
 import type { Command } from 'commander';
 import { loadRecipe } from '../agents/recipe';
-import { runWorkflowId } from '../workflows/train-run';
+import { runWorkflowId, type TrainRunInput } from '../workflows/train-run';
 import { connect, recipeKeysHelp } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { hasSearchAttributes, runStartOptions } from './start-options';
 
-interface CreateOptions { cron?: string; every?: string; overlap: string; note?: string }
+interface CreateOptions { cron?: string; every?: string; overlap: string; note?: string; continueFromSchedule?: boolean }
 const OVERLAP_POLICIES = Object.keys(ScheduleOverlapPolicy).filter((k) => k !== 'UNSPECIFIED').map((k) => k.toLowerCase());
 
 // `schedule create|list|describe|pause|unpause|trigger|delete`. `withOverrides` marks a command
@@ -26,9 +26,10 @@ export function addScheduleCommands(program: Command, { overrides, withOverrides
     .option('--every <interval>', 'interval, e.g. 1h, 30m')
     .option('--overlap <policy>', `a firing while the last run still runs: ${OVERLAP_POLICIES.join(', ')}`, 'skip')
     .option('--note <text>', 'a note on the schedule')
+    .option('--continue-from-schedule', 'each firing starts from the latest checkpoint of the previous firing (a lineage)')
     .addHelpText('after', () => `\n${recipeKeysHelp()}`)
     .action(async (id: string, recipeDir: string, opts: CreateOptions) => {
-      const { cron, every, overlap, note } = opts;
+      const { cron, every, overlap, note, continueFromSchedule } = opts;
       if ((cron === undefined) === (every === undefined)) {
         throw new UsageError('schedule create: give exactly one of --cron "<expr>" or --every <interval> (e.g. 1h, 30m)');
       }
@@ -41,6 +42,7 @@ export function addScheduleCommands(program: Command, { overrides, withOverrides
         ? { cronExpressions: [cron] } : { intervals: [{ every: every as never }] };
       const { client, connection } = await connect();
       const start = runStartOptions(recipeDir, config, undefined, await hasSearchAttributes(connection));
+      if (continueFromSchedule) start.args[0].lineage = id;
       try {
         await client.schedule.create({
           // the server turns cron into calendars: the memo keeps the words
@@ -52,7 +54,8 @@ export function addScheduleCommands(program: Command, { overrides, withOverrides
       } catch (err) {
         throw new UsageError(`schedule create ${id}: ${(err as Error).message}`); // e.g. a bad cron expression or a taken id
       }
-      console.log(`schedule ${id} created: ${describeSpec(spec)}, overlap ${overlap}; runs are molt-${id}-<time>`);
+      console.log(`schedule ${id} created: ${describeSpec(spec)}, overlap ${overlap}; runs are molt-${id}-<time>` +
+        (continueFromSchedule ? ', each starting from the previous one\'s latest checkpoint' : ''));
     });
 
   schedule.command('list').description('all schedules, with their next firing').action(async () => {
@@ -114,7 +117,9 @@ function describeSchedule(d: ScheduleDescription): string {
   return [
     `schedule ${d.scheduleId}: ${d.state.paused ? 'PAUSED' : 'ACTIVE'}${d.state.note ? ` (${d.state.note})` : ''}`,
     `  spec: ${d.memo?.spec ?? describeSpec(d.spec)}, overlap ${d.policies.overlap?.toLowerCase() ?? 'skip'}`,
-    `  recipe: ${d.memo?.recipe ?? '-'} (${d.memo?.recipeDir ?? '-'})`,
+    `  recipe: ${d.memo?.recipe ?? '-'} (${d.memo?.recipeDir ?? '-'})` +
+      (d.action.type === 'startWorkflow' && (d.action.args?.[0] as TrainRunInput | undefined)?.lineage
+        ? ', each firing from the previous one\'s latest checkpoint' : ''),
     `  runs started: ${d.info.numActionsTaken}, ` +
       `running now: ${d.info.runningActions.map((a) => a.workflow.workflowId).join(', ') || 'none'}`,
     `  next: ${d.info.nextActionTimes.slice(0, 3).map((t) => t.toISOString()).join(', ') || '-'}`,

@@ -85,6 +85,9 @@ export interface TrainRunInput {
   continueAsNewAfterSteps?: number; // test hook: continue as new after this many steps in one run
   resumed?: boolean; // set by `molt-client resume` for a run an earlier stack left (see resumePoint)
   stopGraceSeconds?: number; // how long a cancelled run's actor work may take (default STOP_GRACE_SECONDS)
+  // `schedule create --continue-from-schedule`: each firing starts from the latest checkpoint of the
+  // schedule's previous firing that has one (the first firing from the recipe's init or model).
+  lineage?: string;
 }
 // A cancel lets the step in progress finish and saves a checkpoint, but an actor call that hangs
 // must not keep the run stopping forever: after this long the actor work still running is
@@ -356,10 +359,10 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       // A run with `init` starts from those weights (actor, KL reference, engines); a directory that
       // does not fit the model fails the claim for good, and the run with it, naming the directory.
       const { heldBy } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` },
-        [{ runId, step: run.step, init: config.init }]).catch((err) => {
+        [{ runId, step: run.step, init: config.init, lineage: input.lineage }]).catch((err) => {
         const cause = err instanceof ActivityFailure ? err.cause : err;
-        if (config.init === undefined || !(cause instanceof ApplicationFailure && cause.nonRetryable)) throw err;
-        throw ApplicationFailure.nonRetryable(`run ${runId}: cannot start from init ${config.init}: ${cause.message}`, 'InitFailed');
+        if ((config.init ?? input.lineage) === undefined || !(cause instanceof ApplicationFailure && cause.nonRetryable)) throw err;
+        throw ApplicationFailure.nonRetryable(`run ${runId}: cannot start from init ${config.init ?? `(schedule ${input.lineage})`}: ${cause.message}`, 'InitFailed');
       });
       if (heldBy === null) break;
       if (waitingFor !== heldBy) log.info('waiting for the actor', { heldBy });

@@ -92,6 +92,25 @@ test('a schedule fires again and again: three firings, each run trains', async (
   }
 }, 900_000);
 
+test('a schedule with --continue-from-schedule: each firing starts from the previous firing\'s last checkpoint', async () => {
+  const created = await cli('schedule', 'create', 'lineage', RECIPE, '--every', '2s', '--continue-from-schedule', ...SMALL);
+  expect(created.code).toBe(0);
+  expect((await cli('schedule', 'describe', 'lineage')).stdout).toContain('from the previous one\'s latest checkpoint');
+  const completed = async () => {
+    const ids: string[] = [];
+    for await (const w of client.workflow.list({ query: `ExecutionStatus = 'Completed'` })) ids.push(w.workflowId);
+    return ids.filter((id) => id.startsWith('molt-lineage-')).sort();
+  };
+  await until('two firings completed', async () => (await completed()).length >= 2);
+  expect((await cli('schedule', 'delete', 'lineage')).code).toBe(0);
+  const [first, second] = (await completed()).slice(0, 2).map((id) => id.replace(/^molt-/, ''));
+  const firstSummary = await client.workflow.getHandle(runWorkflowId(first)).result();
+  expect(fs.existsSync(path.join(stack.storeRoot, first, 'init'))).toBe(false); // the first firing starts from the model
+  expect(fs.readFileSync(path.join(stack.storeRoot, second, 'init'), 'utf8')).toBe(firstSummary.checkpoint);
+  // The actor and the engines both start the second firing from that checkpoint: step 1's logprobs agree.
+  await expectStepsOnce(second, 3);
+}, 900_000);
+
 test('a run an earlier stack left is terminated when the next stack starts, and resume continues it: every step once', async () => {
   const steps = ['--train.steps', '6', '--checkpoint.every', '2'];
   expect((await cli('start', RECIPE, '--run-id', 'left', ...SMALL, ...steps)).code).toBe(0);
