@@ -16,6 +16,7 @@ import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { withStack } from './loops';
 
 const TARGET = 0.9; // reward a run must reach (moving average of SMOOTH steps)
+const MILESTONE = 0.7; // an earlier mark, for a task that may not reach TARGET within its steps
 const SMOOTH = 10;
 const COLLAPSE = 0.3; // a fall of the moving average by more than this from its running max
 
@@ -103,7 +104,8 @@ const movingAverage = (xs: number[], n = SMOOTH) => xs.map((_, i) => {
 
 function summarize(c: Curve) {
   const ma = movingAverage(c.reward);
-  const hit = ma.findIndex((r, i) => i >= SMOOTH - 1 && r >= TARGET);
+  const first = (level: number) => ma.findIndex((r, i) => i >= SMOOTH - 1 && r >= level);
+  const [hit, mark] = [first(TARGET), first(MILESTONE)];
   let best = -Infinity;
   let worstFall = 0;
   for (const r of ma) { best = Math.max(best, r); worstFall = Math.max(worstFall, best - r); }
@@ -113,6 +115,7 @@ function summarize(c: Curve) {
   return {
     task: c.task, variant: c.variant, seed: c.seed, steps: c.step.length, seconds: c.seconds,
     stepsToTarget: hit < 0 ? null : c.step[hit], secondsToTarget: hit < 0 ? null : c.time[hit],
+    stepsToMilestone: mark < 0 ? null : c.step[mark], secondsToMilestone: mark < 0 ? null : c.time[mark],
     finalReward: last(c.reward), finalEntropy: last(c.entropy), maxGapSameVersion: Math.max(...c.gapSameVersion),
     worstFall, collapsed: worstFall > COLLAPSE, meanStaleness, staleness: c.staleness, masked: c.masked,
   };
@@ -147,9 +150,9 @@ function render(summaries: ReturnType<typeof summarize>[], bands: Record<string,
     `Each row is one run through Temporal on a fresh stack. Reward = batch mean; "to ${TARGET}" = first step where the`,
     `${SMOOTH}-step moving average reaches ${TARGET}; final = mean of the last ${SMOOTH} steps; collapse = the moving average`,
     `fell by more than ${COLLAPSE} from its running max. async-slow: the engine capped at ${ENGINE_CPU_QUOTA} CPU and 4 batches in flight.`, '',
-    '| task | loop | seed | steps | seconds | steps to 0.9 | seconds to 0.9 | final reward | final entropy | max gap same version | mean staleness | staleness (versions: share of tokens) | stale-masked tokens | collapse |',
-    '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|',
-    ...summaries.map((s) => `| ${s.task} | ${s.variant} | ${s.seed} | ${s.steps} | ${f(s.seconds)} | ${f(s.stepsToTarget)} | ${f(s.secondsToTarget)} | ${f(s.finalReward, 3)} | ${f(s.finalEntropy, 3)} | ${s.maxGapSameVersion.toExponential(1)} | ${f(s.meanStaleness, 2)} | ${hist(s.staleness)} | ${s.masked} | ${s.collapsed ? `yes (${f(s.worstFall, 2)})` : 'no'} |`),
+    `| task | loop | seed | steps | seconds | steps to ${MILESTONE} | seconds to ${MILESTONE} | steps to ${TARGET} | seconds to ${TARGET} | final reward | final entropy | max gap same version | mean staleness | staleness (versions: share of tokens) | stale-masked tokens | collapse |`,
+    '|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---|',
+    ...summaries.map((s) => `| ${s.task} | ${s.variant} | ${s.seed} | ${s.steps} | ${f(s.seconds)} | ${f(s.stepsToMilestone)} | ${f(s.secondsToMilestone)} | ${f(s.stepsToTarget)} | ${f(s.secondsToTarget)} | ${f(s.finalReward, 3)} | ${f(s.finalEntropy, 3)} | ${s.maxGapSameVersion.toExponential(1)} | ${f(s.meanStaleness, 2)} | ${hist(s.staleness)} | ${s.masked} | ${s.collapsed ? `yes (${f(s.worstFall, 2)})` : 'no'} |`),
     '', '## Async against the band of the sync seeds (moving average, step by step)', '',
     '| task | loop | steps compared | inside the sync band | below it |', '|---|---|---:|---:|---:|',
     ...Object.entries(bands).filter(([, b]) => b).map(([k, b]) => `| ${k.split('/')[0]} | ${k.split('/')[1]} | ${b!.points} | ${f(100 * b!.inside)}% | ${f(100 * b!.below)}% |`),
