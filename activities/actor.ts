@@ -17,10 +17,12 @@
 // queue's worker runs one activity at a time (infra/worker.ts).
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import { Context } from '@temporalio/activity';
+import { ApplicationFailure, Context } from '@temporalio/activity';
+import { sftExamples } from '../agents/sft-data';
 import type { AlgoConfig } from '../agents/recipe';
 import {
-  callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type TrainStepRequest, type TrainStepResponse,
+  callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type SftExample,
+  type SftStepRequest, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
 import { collectGarbage } from './run-folder';
 import { writeFileAtomic } from './store';
@@ -29,7 +31,7 @@ import { writeFileAtomic } from './store';
 const CONTROL_TIMEOUT_MS = 30_000;
 import type {
   CheckpointInput, CheckpointResult, ClaimInput, ClaimResult, RefitInput, RefitResult, ResumePoint, ServiceEndpoints,
-  TrainStepInput, TrainStepResult,
+  SftStepInput, TrainStepInput, TrainStepResult,
 } from './types';
 import { runWorkflowId } from '../workflows/train-run';
 
@@ -45,7 +47,9 @@ async function heartbeating<T>(details: unknown, work: Promise<T>): Promise<T> {
   }
 }
 
-interface StepManifest { refs: string[]; algo: AlgoConfig }
+// An SFT step (workflows/sft-run.ts) keeps its tokenized demonstrations in `sft` (no trajectories): a
+// restarted actor replays it like any other step.
+interface StepManifest { refs: string[]; algo: AlgoConfig; sft?: SftExample[] }
 
 export function stepManifestPath(storeRoot: string, runId: string, step: number): string {
   return path.join(storeRoot, runId, 'steps', `step-${step}.json`);
@@ -64,6 +68,11 @@ async function writeStepManifest(storeRoot: string, input: TrainStepInput): Prom
 const actorHealth = (e: ServiceEndpoints) => callService<ActorHealth>(e.actor, '/health', e.token, { response: 'ActorHealth' });
 
 function postTrainStep(e: ServiceEndpoints, runId: string, step: number, manifest: StepManifest): Promise<TrainStepResponse> {
+  if (manifest.sft) {
+    const sft: SftStepRequest = { run_id: runId, step, examples: manifest.sft, algo: manifest.algo };
+    return callService<TrainStepResponse>(e.actor, '/sft_step', e.token,
+      { body: sft, request: 'SftStepRequest', response: 'TrainStepResponse', signal: Context.current().cancellationSignal });
+  }
   const body: TrainStepRequest = { run_id: runId, step, store_root: e.storeRoot, trajectories: manifest.refs, algo: manifest.algo };
   return callService<TrainStepResponse>(e.actor, '/train_step', e.token,
     { body, request: 'TrainStepRequest', response: 'TrainStepResponse', signal: Context.current().cancellationSignal });
@@ -120,6 +129,28 @@ export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInp
   const res = await heartbeating({ step: input.step }, (async () => {
     await catchUpActor(endpoints, input.runId, input.step - 1);
     return postTrainStep(endpoints, input.runId, input.step, { refs: input.refs, algo: input.algo });
+  })());
+  return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
+}
+
+// One SFT step: demonstrations [(step-1)*batch, step*batch) of the recipe, tokenized here, on the
+// actor's queue. The manifest is written first (a retry reads it back rather than tokenize again), then
+// the actor catches up and applies the step, exactly once like trainStep.
+export async function sftStep(endpoints: ServiceEndpoints, input: SftStepInput): Promise<TrainStepResult> {
+  const { runId, step, config } = input;
+  const file = stepManifestPath(endpoints.storeRoot, runId, step);
+  let manifest: StepManifest;
+  if (fs.existsSync(file)) manifest = JSON.parse(fs.readFileSync(file, 'utf8')) as StepManifest;
+  else {
+    const batch = config.sft!.batch;
+    const examples = await sftExamples(input.recipeDir, config, (step - 1) * batch, batch)
+      .catch((e: Error) => { throw ApplicationFailure.nonRetryable(`sft: ${e.message}`, 'SftDataError'); });
+    manifest = { refs: [], algo: { ...config.algo, lr: config.sft!.lr }, sft: examples };
+    await writeFileAtomic(file, JSON.stringify(manifest));
+  }
+  const res = await heartbeating({ step }, (async () => {
+    await catchUpActor(endpoints, runId, step - 1);
+    return postTrainStep(endpoints, runId, step, manifest);
   })());
   return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
 }

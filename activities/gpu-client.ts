@@ -37,6 +37,8 @@ export interface GenerateResponse {
 }
 export interface EngineHealth { backend: string; model: string; version: number; paused: boolean; load: { running: number; waiting: number } }
 export interface TrainStepRequest { run_id: string; step: number; store_root: string; trajectories: string[]; algo: AlgoConfig }
+export interface SftExample { tokens: number[]; mask: number[] } // mask 1 on the tokens trained (assistant turns)
+export interface SftStepRequest { run_id: string; step: number; examples: SftExample[]; algo: AlgoConfig }
 export interface TrainStepResponse { run_id: string; step: number; version: number; replayed: boolean; metrics: Record<string, number> }
 export interface PushWeightsRequest { engines: { url: string }[]; version: number }
 export interface PushWeightsResponse { version: number; bytes: number; seconds: number }

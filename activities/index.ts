@@ -2,13 +2,13 @@
 // least-loaded placement sees every in-flight request of that worker.
 import { ApplicationFailure } from '@temporalio/common';
 import { EngineRouter } from '../agents/router';
-import { checkpoint, claimActor, refit, resumePoint, trainStep } from './actor';
+import { checkpoint, claimActor, refit, resumePoint, sftStep, trainStep } from './actor';
 import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
 import { writeRunConfig, type RunConfigInput } from './run-folder';
-import type { CheckpointInput, ClaimInput, RefitInput, RolloutGroupInput, ServiceEndpoints, TrainStepInput } from './types';
+import type { CheckpointInput, ClaimInput, RefitInput, RolloutGroupInput, ServiceEndpoints, SftStepInput, TrainStepInput } from './types';
 
 // A body the service rejects as malformed (400) or a wrong token (401) fails the same way on every
 // retry: report it to the workflow at once instead of retrying forever.
@@ -26,6 +26,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
   return {
     rolloutGroup: (input: RolloutGroupInput) => failFast(rolloutGroup(endpoints, router, input)),
     trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
+    sftStep: (input: SftStepInput) => failFast(sftStep(endpoints, input)),
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
     checkpoint: (input: CheckpointInput) => failFast(checkpoint(endpoints, input)),
     claimActor: (input: ClaimInput) => failFast(claimActor(endpoints, input)),

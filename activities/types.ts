@@ -30,6 +30,9 @@ export interface EpisodeSample { episode: number; reward: number; prompt: string
 export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }
 export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }
 
+// An SFT step (workflows/sft-run.ts): the activity tokenizes the recipe's demonstrations itself.
+export interface SftStepInput { runId: string; step: number; recipeDir: string; config: RecipeConfig }
+
 export interface RefitInput { runId: string; version: number }
 export interface RefitResult { version: number; seconds: number; bytes: number }
 

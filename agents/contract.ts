@@ -8,6 +8,7 @@
 // the group's conversation start; `run(ctx)` talks to the policy through the loopback chat server
 // with any OpenAI / Anthropic client and returns the reward.
 import type { ChatAgent, ChatPrompt } from './chat-runner';
+import type { ChatMessage, ToolSpec } from './chat-template';
 import type { SamplingConfig } from './recipe';
 
 // What a prompt group is about: every episode of the group gets the same task.
@@ -45,14 +46,23 @@ export interface Env {
   close?(): void | Promise<void>;
 }
 
+// A worked episode for the SFT warm start (`molt-client sft`, agents/sft-data.ts): the conversation as the
+// agent would hold it, assistant turns (with tool_calls) being what the policy should answer. Env form:
+// user messages are the observations, assistant messages the actions, tokenized as the env loop does.
+export interface Demonstration { messages: ChatMessage[]; tools?: ToolSpec[] }
+// Optional on both forms: demonstration `index` of a deterministic stream (a retried step gets the same ones).
+export type DemonstrationFn = (index: number, settings: Record<string, unknown>) => Demonstration | Promise<Demonstration>;
+
 export interface EnvAgentRunner {
   kind: 'env';
   createEnv(settings: Record<string, unknown>): Env; // settings: the recipe's `env` object
+  demonstration?: DemonstrationFn;
 }
 
 export interface ChatAgentRunner extends ChatAgent {
   // Called once per group; settings: the recipe's `env` object.
   prompt(task: GroupTask, settings: Record<string, unknown>): ChatPrompt | Promise<ChatPrompt>;
+  demonstration?: DemonstrationFn;
 }
 
 export type AgentRunner = EnvAgentRunner | ChatAgentRunner;

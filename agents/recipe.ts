@@ -134,6 +134,17 @@ export const RecipeConfig = z.strictObject({
     samples: z.number().int().positive().default(4).describe('sampled episodes per prompt (pass@n)'),
     greedy: z.boolean().default(true).describe('also one greedy episode per prompt'),
   }).default({ every: 0, prompts: 16, samples: 4, greedy: true }),
+  // The SFT warm start (`molt-client sft`, workflows/sft-run.ts): demonstrations from a JSONL file of
+  // {messages, tools?} lines, or from the agent module's demonstration(index, settings).
+  sft: z.strictObject({
+    data: z.string().min(1).optional()
+      .describe('JSONL of {"messages": [...], "tools"?: [...]} per line, relative to the recipe folder '
+        + '(default: the agent\'s demonstration())'),
+    steps: z.number().int().positive().describe('SFT optimizer steps'),
+    batch: z.number().int().positive().default(32).describe('demonstrations per SFT step'),
+    lr: z.number().positive().default(1e-3).describe('SFT learning rate (Adam; betas, grad_clip from algo)'),
+    checkpoint_every: z.number().int().positive().optional().describe('default: checkpoint.every'),
+  }).optional().describe('SFT warm start (molt-client sft): its output checkpoint is an `init` for RL'),
   // Optional Weights & Biases logging of every step's metrics (activities/metrics.ts); WANDB_MODE and
   // WANDB_API_KEY in the control worker's environment apply as usual.
   wandb: z.strictObject({
@@ -185,6 +196,10 @@ export function loadRecipe(recipeDir: string, overrides: Record<string, string> 
   if (!parsed.success) {
     const issues = parsed.error.issues.map((i) => `${i.path.join('.') || '(root)'}: ${i.message.replace(/^Invalid input: /, '')}`);
     throw new RecipeError(`recipe config: ${issues.join('; ')}`);
+  }
+  if (parsed.data.sft?.data !== undefined) {
+    parsed.data.sft.data = path.resolve(recipeDir, parsed.data.sft.data);
+    if (!existsSync(parsed.data.sft.data)) throw new RecipeError(`recipe config: sft.data: ${parsed.data.sft.data} does not exist`);
   }
   if (parsed.data.init !== undefined) {
     parsed.data.init = path.resolve(parsed.data.init); // workers may run elsewhere: pass an absolute path

@@ -84,6 +84,7 @@ function instantActivities(stepTimes: number[]): Activities {
       };
     },
     async trainStep(input) { return { step: input.step, version: input.step, replayed: false, metrics: { pg_loss: 0 } }; },
+    async sftStep(input) { return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0 } }; },
     async refit(input) { version = input.version; return { version: input.version, seconds: 0, bytes: 0 }; },
     async checkpoint(input) { return { path: `/nowhere/step-${input.step}`, step: input.step }; },
     async claimActor() { return { heldBy: null }; },

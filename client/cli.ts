@@ -15,11 +15,14 @@ import { loadRecipe, RecipeError, type RecipeConfig } from '../agents/recipe';
 import {
   checkpointUpdate, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type Settings,
 } from '../workflows/control';
-import { progressQuery, runWorkflowId, trainRun, type Progress, type TrainRunSummary } from '../workflows/train-run';
+import { sftRun } from '../workflows/sft-run';
+import {
+  progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type Progress, type TrainRunSummary,
+} from '../workflows/train-run';
 import { connect, liveSettingsHelp, recipeKeysHelp, takeRecipeOverrides, type Temporal } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { evalCheckpoint } from './eval';
-import { follow, formatSeconds } from './follow';
+import { follow, followSft, formatSeconds } from './follow';
 import { gcRun, type Live } from './gc';
 import { plotRun, storeCandidates } from './plot';
 import { formatSamples, readSamples } from './samples';
@@ -220,6 +223,34 @@ for (const name of ['start', 'dev'] as const) {
         async (stack) => startRun(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233'), recipeDir, config, runId, true));
     });
 }
+
+// `sft`: the SFT warm start on the recipe's demonstrations (workflows/sft-run.ts), followed to its end; its last
+// checkpoint is printed, to start RL from (`start --init <dir>`).
+withOverrides(program.command('sft'))
+  .description('SFT warm start on the recipe\'s demonstrations (recipe key sft); prints the checkpoint to start RL from')
+  .argument('<recipeDir>', 'folder with recipe.json (with an sft section) and its agent module')
+  .option('--run-id <id>', 'name of the run (default <recipe name>-sft-<date>-<time>)')
+  .option('--dev', 'on a local stack started for this run (as `dev`)')
+  .action(async (recipeDir: string, opts: { runId?: string; dev?: boolean }) => {
+    checkRunId(opts.runId);
+    const config = await resolveRecipe(recipeDir, overrides);
+    if (!config.sft) throw new RecipeError(`recipe config: ${recipeDir}: no sft section (e.g. "sft": {"steps": 100})`);
+    const runId = opts.runId ?? defaultRunId({ ...config, name: `${config.name}-sft` });
+    const go = async (temporal: Temporal) => {
+      const handle = await temporal.client.workflow.start(sftRun, {
+        workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, workflowIdReusePolicy: 'REJECT_DUPLICATE',
+        args: [{ runId, recipeDir: path.resolve(recipeDir), config }], staticSummary: `SFT ${config.name}`,
+      });
+      console.log(`run ${runId} started (SFT, workflow ${handle.workflowId})`);
+      await followSft(handle);
+      const done = await handle.result();
+      console.log(`SFT ${runId}: ${done.step} steps, loss ${done.losses[0]?.toFixed(4)} -> ${done.loss?.toFixed(4)}`);
+      console.log(`checkpoint: ${done.checkpoint?.path}`);
+    };
+    if (!opts.dev) return go(await connect());
+    await withDevStack({ model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size },
+      async (stack) => go(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233')));
+  });
 
 program.command('status')
   .description('state, progress, reward curve and last metrics of a run; the reason if it failed (exit 1)')

@@ -2,23 +2,36 @@
 // (the caller then reads its result: the summary, or the reason it failed).
 import { SingleBar } from 'cli-progress';
 import type { WorkflowHandle } from '@temporalio/client';
+import { sftProgressQuery, type SftProgress, type sftRun } from '../workflows/sft-run';
 import { progressQuery, type Progress, type trainRun } from '../workflows/train-run';
 
-export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<void> {
-  const bar = new SingleBar({
-    format: 'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready '
-      + '| ETA {etaText} | {state}',
-    hideCursor: true, noTTYOutput: true, notTTYSchedule: 10_000,
-  });
+export function follow(handle: WorkflowHandle<typeof trainRun>): Promise<void> {
+  return followBar(handle, () => handle.query(progressQuery), barPayload,
+    'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready '
+      + '| ETA {etaText} | {state}');
+}
+
+// The SFT warm start's line: step, loss of the last step, assistant tokens/s, ETA.
+export function followSft(handle: WorkflowHandle<typeof sftRun>): Promise<void> {
+  return followBar(handle, () => handle.query(sftProgressQuery), (p: SftProgress) => ({
+    loss: p.loss === null ? '-' : p.loss.toFixed(4),
+    tps: Math.round(p.tokensPerSecond),
+    etaText: eta(p.elapsedSeconds, p.step, p.totalSteps),
+    state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : 'running',
+  }), 'sft step {value}/{total} {bar} loss {loss} | {tps} tok/s | ETA {etaText} | {state}');
+}
+
+async function followBar<P extends { step: number; totalSteps: number }>(handle: WorkflowHandle, query: () => Promise<P>,
+  payload: (p: P) => Record<string, unknown>, format: string): Promise<void> {
+  const bar = new SingleBar({ format, hideCursor: true, noTTYOutput: true, notTTYSchedule: 10_000 });
   let started = false;
   try {
     for (;;) {
       const { status } = await handle.describe();
       if (status.name !== 'RUNNING') break;
-      const p = await handle.query(progressQuery).catch(() => null); // e.g. no worker yet
+      const p = await query().catch(() => null); // e.g. no worker yet
       if (p) {
-        const payload = barPayload(p);
-        if (!started) { bar.start(p.totalSteps, p.step, payload); started = true; } else bar.update(p.step, payload);
+        if (!started) { bar.start(p.totalSteps, p.step, payload(p)); started = true; } else bar.update(p.step, payload(p));
       }
       await new Promise((r) => setTimeout(r, 1000));
     }
@@ -27,15 +40,16 @@ export async function follow(handle: WorkflowHandle<typeof trainRun>): Promise<v
   }
 }
 
+// ETA from the run's own pace: elapsed / steps done * steps left.
+const eta = (elapsed: number, step: number, total: number) => (step > 0 ? formatSeconds((elapsed / step) * (total - step)) : '?');
+
 function barPayload(p: Progress) {
-  // ETA from the run's own pace: elapsed / steps done * steps left.
-  const etaSeconds = p.step > 0 ? (p.elapsedSeconds / p.step) * (p.totalSteps - p.step) : null;
   return {
     reward: p.rewardMean === null ? '-' : p.rewardMean.toFixed(3),
     tps: Math.round(p.tokensPerSecond),
     inflight: p.inflight,
     ready: p.ready,
-    etaText: etaSeconds === null ? '?' : formatSeconds(etaSeconds),
+    etaText: eta(p.elapsedSeconds, p.step, p.totalSteps),
     state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : p.state,
   };
 }

@@ -46,12 +46,13 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 
 import weight_transfer
-from algorithm import compute_advantages, entropy_from_logits, loss_divisor, policy_objective, staleness_mask
+from algorithm import (compute_advantages, entropy_from_logits, loss_divisor, policy_objective, sft_loss,
+                       staleness_mask)
 from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
                     write_error)
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, InitRequest, LogprobsRequest,
-                      LogprobsResponse, PushWeightsRequest, PushWeightsResponse, TrainStepRequest, TrainStepResponse,
-                      WeightReceiveRequest)
+                      LogprobsResponse, PushWeightsRequest, PushWeightsResponse, SftStepRequest, TrainStepRequest,
+                      TrainStepResponse, WeightReceiveRequest)
 from trajectories import Segment, load_segment, pad_right
 
 HEARTBEAT_S = 60  # idle ranks wait for commands inside a collective, which times out (gloo: 30 min) unless fed
@@ -371,6 +372,42 @@ class Actor:
             metrics[f"staleness/{int(value)}"] = float(count)
         return metrics
 
+    def sft_step(self, run_id: str, step: int, algo_json: dict, token_ids: list[list[int]],
+                 masks: list[list[int]]) -> dict:
+        """One supervised step on demonstrations (the SFT warm start): same model, optimizer and micro-batching as
+        train_step, loss sft_loss on the masked (assistant) tokens."""
+        t_start = time.time()
+        algo = AlgoConfig(**algo_json)
+        lengths = [len(t) for t in token_ids]
+        tokens = pad_right([torch.tensor(t, dtype=torch.long) for t in token_ids])  # [N,T]
+        mask = pad_right([torch.tensor(m, dtype=torch.float32) for m in masks]).to(self.device)  # [N,T]
+        total = max(mask.sum().item(), 1.0)
+        plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
+        for g in self.optimizer.param_groups:
+            g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums = torch.zeros(2, device=self.device)  # loss, argmax hits on masked tokens
+        for rows in plan:
+            x = self.micro_batch(tokens, lengths, rows)  # [b,L]
+            m = mask[rows or [0], :x.shape[1]] * (1.0 if rows else 0.0)  # a dummy micro-batch trains nothing
+            logits = self.model(input_ids=x).logits  # [b,L,V]
+            loss = sft_loss(token_logprobs(logits, x), m, total)
+            (loss * self.world_size).backward()  # FSDP averages gradients over ranks
+            hits = (logits[:, :-1].argmax(-1) == x[:, 1:]).float() * m[:, 1:]
+            sums += torch.stack([loss.detach(), hits.sum() / total])
+        if self.world_size > 1:
+            dist.all_reduce(sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.grad_clip)
+        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version, self.last_step, self.run_id = step, step, run_id
+        return {"loss": sums[0].item(), "token_accuracy": sums[1].item(), "grad_norm": grad_norm,
+                "optimizer_skipped": float(not math.isfinite(grad_norm)), "tokens/trained": total,
+                "tokens/total": float(sum(lengths)), "sequences": float(len(lengths)), "lr": algo.lr,
+                "time/total": time.time() - t_start}
+
     # --- weights out
 
     def full_state_items(self):
@@ -572,17 +609,28 @@ def build_app(actor: Actor, token: str | None):
         return ActorHealth(version=actor.version, last_step=actor.last_step, run_id=actor.run_id,
                            world_size=actor.world_size, model=args.model)
 
+    def applied_or_next(run_id: str, step: int) -> TrainStepResponse | None:
+        """The recorded answer of an applied (run_id, step); None when it is the next step; else a 409."""
+        done = actor.step_log.get((run_id, step))
+        if done is not None:
+            return TrainStepResponse(run_id=run_id, step=step, version=done["version"], replayed=True,
+                                     metrics=done["metrics"])
+        if step != actor.last_step + 1 or (actor.last_step > 0 and run_id != actor.run_id):
+            raise HTTPException(409, f"step {step} of run {run_id!r} is neither applied nor next: the actor "
+                                     f"holds step {actor.last_step} of run {actor.run_id!r} and can only apply "
+                                     f"step {actor.last_step + 1} of that run")
+        return None
+
+    def applied(run_id: str, step: int, metrics: dict) -> TrainStepResponse:
+        actor.append_log({"run_id": run_id, "step": step, "version": actor.version, "metrics": metrics})
+        return TrainStepResponse(run_id=run_id, step=step, version=actor.version, replayed=False, metrics=metrics)
+
     @app.post("/train_step")
     def train_step(req: TrainStepRequest) -> TrainStepResponse:
         with actor.lock:
-            done = actor.step_log.get((req.run_id, req.step))
+            done = applied_or_next(req.run_id, req.step)
             if done is not None:
-                return TrainStepResponse(run_id=req.run_id, step=req.step, version=done["version"], replayed=True,
-                                         metrics=done["metrics"])
-            if req.step != actor.last_step + 1 or (actor.last_step > 0 and req.run_id != actor.run_id):
-                raise HTTPException(409, f"step {req.step} of run {req.run_id!r} is neither applied nor next: the actor "
-                                         f"holds step {actor.last_step} of run {actor.run_id!r} and can only apply "
-                                         f"step {actor.last_step + 1} of that run")
+                return done
             algo = req.algo
             if actor.ref is None and (algo.kl_coef > 0 or algo.advantage == "on_policy_distill"):
                 raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
@@ -594,9 +642,21 @@ def build_app(actor: Actor, token: str | None):
             except ValueError as e:
                 raise HTTPException(400, str(e))
             metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
-            actor.append_log({"run_id": req.run_id, "step": req.step, "version": actor.version, "metrics": metrics})
-            return TrainStepResponse(run_id=req.run_id, step=req.step, version=actor.version, replayed=False,
-                                     metrics=metrics)
+            return applied(req.run_id, req.step, metrics)
+
+    @app.post("/sft_step")
+    def sft_step(req: SftStepRequest) -> TrainStepResponse:
+        vocab = actor.model.config.vocab_size
+        for i, e in enumerate(req.examples):
+            if min(e.tokens) < 0 or max(e.tokens) >= vocab:
+                raise HTTPException(400, f"examples[{i}].tokens must be ids in [0, {vocab})")
+        with actor.lock:
+            done = applied_or_next(req.run_id, req.step)
+            if done is not None:
+                return done
+            metrics = actor.run("sft_step", req.run_id, req.step, req.algo.model_dump(),
+                                [e.tokens for e in req.examples], [e.mask for e in req.examples])
+            return applied(req.run_id, req.step, metrics)
 
     @app.post("/logprobs")
     def logprobs(req: LogprobsRequest) -> LogprobsResponse:

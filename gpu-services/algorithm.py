@@ -363,3 +363,12 @@ def policy_objective(algo: AlgoConfig, logp: Tensor, old_logp: Tensor, rollout_l
             "tokens": mask.sum(),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}
+
+
+# ----------------------------------------------------------------------------- supervised warm start
+
+def sft_loss(logp: Tensor, mask: Tensor, total_tokens: float) -> Tensor:
+    """Masked token cross-entropy of demonstrations: loss = -sum_t mask_t logp_t / total_tokens.
+    logp [B,T] log p(token_t | tokens < t); mask [B,T] 1 on the assistant tokens; total_tokens: the masked tokens
+    of the whole step on all ranks, so micro-batches and ranks add up to the step's mean (as loss_divisor does)."""
+    return -(logp * mask).sum() / total_tokens

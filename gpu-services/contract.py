@@ -177,6 +177,27 @@ class TrainStepRequest(Strict):
     algo: AlgoConfig = AlgoConfig()
 
 
+class SftExample(Strict):
+    """One demonstration, tokenized by the TS side with the rollouts' own path (agents/sft-data.ts)."""
+    tokens: list[int] = Field(min_length=2)
+    mask: list[int]  # 1 on the tokens the loss trains (the assistant turns), 0 elsewhere
+
+    @model_validator(mode="after")
+    def same_length(self):
+        if len(self.mask) != len(self.tokens) or any(m not in (0, 1) for m in self.mask):
+            raise ValueError(f"mask must be {len(self.tokens)} values of 0 or 1, one per token")
+        return self
+
+
+class SftStepRequest(Strict):
+    """A supervised step: masked token cross-entropy on demonstrations (lr, betas, grad_clip, micro_batch_tokens
+    from algo)."""
+    run_id: str
+    step: int = Field(ge=1)
+    examples: list[SftExample] = Field(min_length=1)
+    algo: AlgoConfig = AlgoConfig()
+
+
 class TrainStepResponse(Strict):
     run_id: str
     step: int
@@ -239,7 +260,7 @@ class ErrorResponse(Strict):
 
 ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, EngineHealth, PauseRequest,
        AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, AlgoConfig,
-       TrainStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
+       TrainStepRequest, SftExample, SftStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
        CheckpointRequest, InitRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]
 
 SCHEMA_PATH = Path(__file__).with_name("contract.schema.json")

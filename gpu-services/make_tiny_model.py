@@ -2,7 +2,10 @@
 BPE tokenizer (id = byte value for ids 0..255) and a chat template with system/user/assistant/tool
 messages and Hermes-style tool calls. Deterministic for a seed.
 
-    python gpu-services/make_tiny_model.py --out models/tiny [--moe] [--seed 0]
+    python gpu-services/make_tiny_model.py --out models/tiny [--moe] [--seed 0] [--hidden 64 --layers 2 --heads 2]
+
+--hidden/--layers/--heads make a larger one of the same family (e.g. for bench/sft-rl.ts); head_dim stays 32 and
+the MLP is 4x hidden.
 """
 import argparse
 import json
@@ -60,9 +63,9 @@ def byte_tokenizer() -> Tokenizer:
     return tok
 
 
-def model_config(moe: bool):
-    common = dict(vocab_size=256 + len(SPECIALS), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=2, head_dim=32, intermediate_size=256, max_position_embeddings=1024,
+def model_config(moe: bool, hidden: int = 64, layers: int = 2, heads: int = 2):
+    common = dict(vocab_size=256 + len(SPECIALS), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=heads, head_dim=32, intermediate_size=4 * hidden, max_position_embeddings=1024,
                   tie_word_embeddings=True, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
                   rope_theta=10000.0, torch_dtype="float32")
     if moe:
@@ -73,12 +76,12 @@ def model_config(moe: bool):
     return Qwen3Config(**common)
 
 
-def make(out: str, seed: int = 0, moe: bool = False) -> Path:
+def make(out: str, seed: int = 0, moe: bool = False, hidden: int = 64, layers: int = 2, heads: int = 2) -> Path:
     from transformers import AutoModelForCausalLM
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(model_config(moe), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(model_config(moe, hidden, layers, heads), dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     byte_tokenizer().save(str(out_dir / "tokenizer.json"))
     (out_dir / "tokenizer_config.json").write_text(json.dumps({
@@ -93,5 +96,8 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--moe", action="store_true")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
     a = p.parse_args()
-    print(make(a.out, a.seed, a.moe))
+    print(make(a.out, a.seed, a.moe, a.hidden, a.layers, a.heads))

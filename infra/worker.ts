@@ -20,7 +20,7 @@ export async function runWorkers(opts: { temporalAddress: string; endpoints: Ser
   const connection = await NativeConnection.connect({ address: opts.temporalAddress });
   const common = { connection, namespace: opts.namespace ?? 'default' };
   const {
-    rolloutGroup, evaluate, trainStep, refit, checkpoint, claimActor, resumePoint, recordMetrics, writeRunConfig,
+    rolloutGroup, evaluate, trainStep, sftStep, refit, checkpoint, claimActor, resumePoint, recordMetrics, writeRunConfig,
   } = createActivities(opts.endpoints);
   const make: Record<QueueName, () => Promise<Worker>> = {
     control: () => Worker.create({
@@ -31,7 +31,7 @@ export async function runWorkers(opts: { temporalAddress: string; endpoints: Ser
     // One optimizer step at a time: the actor is a single trainer. This also makes the claims of
     // runs on the actor (claimActor) one at a time.
     actor: () => Worker.create({
-      ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, refit, checkpoint, claimActor, resumePoint },
+      ...common, taskQueue: TASK_QUEUES.actor, activities: { trainStep, sftStep, refit, checkpoint, claimActor, resumePoint },
       maxConcurrentActivityTaskExecutions: 1,
     }),
   };

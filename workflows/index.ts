@@ -1,2 +1,3 @@
 // The workflows the molt-control worker runs.
 export { trainRun } from './train-run';
+export { sftRun } from './sft-run';

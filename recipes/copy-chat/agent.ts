@@ -3,7 +3,7 @@
 // seed, same letters), same reward; the prompt goes through the model's chat template instead.
 import OpenAI from 'openai';
 import type { ChatAgentRunner } from '../../agents/contract';
-import { copyReward, copyTarget } from '../copy/agent';
+import { copyDemonstration, copyReward, copyTarget } from '../copy/agent';
 
 export const AgentRunner: ChatAgentRunner = {
   kind: 'chat',
@@ -11,6 +11,7 @@ export const AgentRunner: ChatAgentRunner = {
     const target = copyTarget(task.seed, String(settings.letters ?? 'abcd'), Number(settings.length ?? 3));
     return { messages: [{ role: 'user', content: `copy ${target}>` }], label: target };
   },
+  demonstration: (index, settings) => copyDemonstration(index, settings, true),
   async run(ctx) {
     // No client retries: the router already moves a request to another engine when one fails.
     const client = new OpenAI({ baseURL: ctx.openaiBaseURL, apiKey: ctx.apiKey, maxRetries: 0 });

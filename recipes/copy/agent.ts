@@ -1,7 +1,8 @@
 // The embedded task: copy three letters. Prompt `copy abc>`, the policy answers exactly 3 tokens
 // (sampling.max_tokens 3), reward = fraction of positions that match. Seen to learn from scratch
 // with a tiny random-init model in minutes on CPU (DESIGN.md, "The embedded default").
-import type { Env, EnvAgentRunner, EnvTask } from '../../agents/contract';
+import type { Demonstration, Env, EnvAgentRunner, EnvTask } from '../../agents/contract';
+import { deriveSeed } from '../../agents/env-runner';
 
 // Fraction of the target's positions where the answer has the same character.
 export function copyReward(answer: string, target: string): number {
@@ -46,4 +47,13 @@ function createEnv(settings: Record<string, unknown>): Env {
   };
 }
 
-export const AgentRunner: EnvAgentRunner = { kind: 'env', createEnv };
+// For the SFT warm start (`molt-client sft recipes/copy`): a correct answer to demonstration `index`'s
+// prompt (its own seeds, apart from the run's groups).
+export function copyDemonstration(index: number, settings: Record<string, unknown>, chat = false): Demonstration {
+  const shown = copyTarget(deriveSeed(0x5f7, index), String(settings.letters ?? 'abcd'), Number(settings.length ?? 3));
+  const reverse = settings.reverse === true && !chat;
+  const answer = reverse ? [...shown].reverse().join('') : shown;
+  return { messages: [{ role: 'user', content: `${reverse ? 'reverse' : 'copy'} ${shown}>` }, { role: 'assistant', content: answer }] };
+}
+
+export const AgentRunner: EnvAgentRunner = { kind: 'env', createEnv, demonstration: (i, s) => copyDemonstration(i, s) };
