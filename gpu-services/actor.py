@@ -675,7 +675,8 @@ def build_app(actor: Actor, token: str | None):
             specs = weight_transfer.plan_buckets(
                 ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta")) for n, t in items), req.bucket_bytes)
             backend = "nccl" if actor.device.type == "cuda" else "gloo"
-            port = free_port()
+            server = weight_transfer.listen(args.host)  # where the HTTP API listens, not every interface
+            port = server.getsockname()[1]
             world = 1 + len(req.engines)
 
             def receive(i: int, url: str) -> int:
@@ -689,7 +690,7 @@ def build_app(actor: Actor, token: str | None):
 
             pool = ThreadPoolExecutor(1 + len(req.engines))
             answers = [pool.submit(receive, i, e.url) for i, e in enumerate(req.engines)]
-            joined = pool.submit(weight_transfer.open_group, "0.0.0.0", port, world, 0, backend)
+            joined = pool.submit(weight_transfer.open_group, args.host, port, world, 0, backend, server=server)
             pool.shutdown(wait=False)
             # an engine answers only after receiving, so an answer before the group is complete is a failure
             done, _ = wait([joined, *answers], return_when=FIRST_COMPLETED)
@@ -783,12 +784,6 @@ def read_checkpoint(actor: Actor, path: str) -> tuple[dict, dict, dict, list[dic
     ref = read_weights(actor.ref, init) if init is not None and actor.ref is not None else None
     log = [e for e in log if e["run_id"] == trainer_state["run_id"] and e["step"] <= trainer_state["step"]]
     return trainer_state, weights, optim, log, ref
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def main():

@@ -5,6 +5,7 @@ on GPU), apart from the actor's own training group. Weights travel in buckets: e
 flat uint8 tensor holding its tensors back to back in spec order, broadcast from rank 0.
 """
 import os
+import socket
 from datetime import timedelta
 from typing import Iterable, Iterator
 
@@ -33,13 +34,20 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
 TIMEOUT_S = float(os.environ.get("MOLT_TRANSFER_TIMEOUT_S", "30"))
 
 
+def listen(host: str) -> socket.socket:
+    """Rank 0's store socket on a free port of `host`: a TCPStore given no socket listens on every interface."""
+    return socket.create_server((host, 0))
+
+
 def open_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
-               timeout_s: float = TIMEOUT_S) -> dist.ProcessGroup:
+               timeout_s: float = TIMEOUT_S, server: socket.socket | None = None) -> dist.ProcessGroup:
     """Returns once every rank has joined (or raises after timeout_s): the whole rendezvous happens here,
     so a caller can wait for it without holding anything. NCCL would otherwise connect lazily, inside
-    the first broadcast; the store barrier below makes both backends rendezvous here."""
+    the first broadcast; the store barrier below makes both backends rendezvous here. Rank 0 passes
+    `server` (from listen()), the socket its store serves on; the store owns it from then on."""
     store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0),
-                          timeout=timedelta(seconds=timeout_s))
+                          timeout=timedelta(seconds=timeout_s),
+                          master_listen_fd=server.detach() if server is not None else None)
     store.set(f"joined/{rank}", "1")
     store.wait([f"joined/{r}" for r in range(world_size)])
     if backend == "nccl":

@@ -11,7 +11,7 @@ import * as path from 'node:path';
 import { REPO_ROOT } from '../agents/recipe';
 
 const VENV_BIN = path.join(REPO_ROOT, '.venv', 'bin');
-const SEARCH_ATTRIBUTES = ['MoltRecipe=Keyword', 'MoltStep=Int', 'MoltVersion=Int', 'MoltReward=Double'];
+export const SEARCH_ATTRIBUTES = ['MoltRecipe=Keyword', 'MoltStep=Int', 'MoltVersion=Int', 'MoltReward=Double'];
 
 export interface StackOptions {
   modelDir: string;

@@ -8,5 +8,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 .venv/bin/python -m pytest test/py -q -p no:cacheprovider "$@"
 npx tsc --noEmit -p .
 # The slow real-part suites (kills and faults mid-run, signals to whole stacks, the persistent stack)
-# run apart: `npm run test:slow` (infra/test-slow.sh); CI runs both.
-npx jest --runInBand --forceExit --testPathIgnorePatterns "$(cat infra/slow-tests.txt | paste -sd'|')"
+# run apart: `npm run test:slow` (infra/test-slow.sh), and the namespace cluster (root) with `npm run
+# test:cluster` (infra/test-cluster.sh); CI runs all three.
+npx jest --runInBand --forceExit --testPathIgnorePatterns "$(cat infra/slow-tests.txt | paste -sd'|')|/test/cluster/"

@@ -1,0 +1,153 @@
+// Hosts apart, for real: a cluster of network namespaces on a bridge (test/cluster/netns.ts), each
+// host with its own address. Temporal on one host, the control+actor worker on another, two rollout
+// workers on two more, two engines on two "GPU hosts", and the actor as torchrun multi-node (2 nodes
+// x 1 rank, gloo, a static rendezvous across hosts). The client runs on the login node (the bridge's
+// address). A recipe run completes with every refit crossing hosts; nothing listens on every
+// interface unless configured (torch's rendezvous store, which offers no choice, is the one named
+// exception), nothing on 127.0.0.1 but the agents' loopback servers of the rollout workers, and every
+// service wants its bearer token. `npm run test:cluster` (infra/test-cluster.sh); needs root.
+import { randomBytes } from 'node:crypto';
+import * as fs from 'node:fs';
+import * as os from 'node:os';
+import * as path from 'node:path';
+import { Client, Connection } from '@temporalio/client';
+import { resolveModelDir } from '../../agents/recipe';
+import { SEARCH_ATTRIBUTES } from '../../infra/stack';
+import { runWorkflowId } from '../../workflows/train-run';
+import { runCli } from '../helpers/cli';
+import { cleanup, type Host, listeners, LOGIN_IP, makeHosts, Processes, waitUntil } from './netns';
+
+const STEPS = 4;
+const RECIPE = ['--train.steps', String(STEPS), '--batch.groups', '2', '--group_size', '4', '--pool.inflight', '4',
+  '--checkpoint.every', String(STEPS)];
+const PY = path.resolve('.venv/bin/python');
+const TSX = path.resolve('node_modules/.bin/tsx');
+const token = randomBytes(16).toString('hex');
+const stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-cluster-'));
+const storeRoot = path.join(stateDir, 'runs'); // one folder all hosts see, as a shared filesystem would be
+const procs = new Processes(path.join(stateDir, 'logs'));
+let hosts: Record<string, Host>;
+let temporal: string;
+let engines: string[];
+let actor: string;
+const auth = { headers: { authorization: `Bearer ${token}` } };
+const health = async (url: string) =>
+  (await fetch(`${url}/health`, { ...auth, signal: AbortSignal.timeout(5_000) })).json() as Promise<{ version: number; world_size?: number }>;
+
+beforeAll(async () => {
+  cleanup(); // what a crashed run of this test left
+  const names = ['temporal', 'control', 'rollout-0', 'rollout-1', 'engine-0', 'engine-1', 'actor-0', 'actor-1'];
+  hosts = Object.fromEntries(makeHosts(names).map((h) => [h.name, h]));
+  const model = resolveModelDir('tiny');
+  const env = { MOLT_TOKEN: token };
+
+  // The dev server's own services dial each other at 127.0.0.1 whatever --ip says (temporal CLI 1.9.1:
+  // with --ip 10.x it never becomes ready), so on its host it listens on loopback, and a TCP relay
+  // serves it on the host's address. A production Temporal cluster has no such limit.
+  temporal = `${hosts.temporal.ip}:7233`;
+  procs.start(hosts.temporal, 'temporal', path.resolve('.venv/bin/temporal'), ['server', 'start-dev', '--ip', '127.0.0.1',
+    '--port', '7233', '--http-port', '7243', '--metrics-port', '7244', '--headless', '--log-level', 'warn',
+    '--db-filename', path.join(stateDir, 'temporal.db'), ...SEARCH_ATTRIBUTES.flatMap((a) => ['--search-attribute', a]),
+    '--dynamic-config-value', 'matching.numTaskqueueReadPartitions=1', '--dynamic-config-value', 'matching.numTaskqueueWritePartitions=1']);
+  procs.start(hosts.temporal, 'temporal-relay', process.execPath, ['-e', `require('net').createServer((c) => {
+    const s = require('net').connect(7233, '127.0.0.1'); c.pipe(s).pipe(c); c.on('error', () => s.destroy()); s.on('error', () => c.destroy());
+  }).listen(7233, '${hosts.temporal.ip}')`]);
+  engines = ['engine-0', 'engine-1'].map((name) => {
+    procs.start(hosts[name], name, PY, ['gpu-services/engine.py', '--model', model, '--host', hosts[name].ip, '--port', '8100',
+      '--name', name], env);
+    return `http://${hosts[name].ip}:8100`;
+  });
+  actor = `http://${hosts['actor-0'].ip}:8200`;
+  for (const [rank, name] of ['actor-0', 'actor-1'].entries()) {
+    procs.start(hosts[name], name, PY, ['-m', 'torch.distributed.run', '--nnodes=2', '--nproc-per-node=1', `--node-rank=${rank}`,
+      `--master-addr=${hosts['actor-0'].ip}`, '--master-port=29500', 'gpu-services/actor.py', '--model', model,
+      '--host', hosts[name].ip, '--port', '8200', '--state-dir', path.join(stateDir, 'actor')], env);
+  }
+  await Promise.all([...engines, actor].map((url) => waitUntil(`${url} healthy`, async () => (await health(url)).version === 0, 600_000)));
+
+  const workerEnv = (queues: string) => ({
+    ...env, MOLT_TEMPORAL_ADDRESS: temporal, MOLT_QUEUES: queues, MOLT_ENGINES: engines.join(','), MOLT_ACTOR: actor, MOLT_STORE: storeRoot,
+  });
+  procs.start(hosts.control, 'control', TSX, ['infra/worker.ts'], workerEnv('control,actor'));
+  for (const name of ['rollout-0', 'rollout-1']) procs.start(hosts[name], name, TSX, ['infra/worker.ts'], workerEnv('rollout'));
+  await Promise.all(['control', 'rollout-0', 'rollout-1'].map((name) =>
+    waitUntil(`${name} worker ready`, () => fs.readFileSync(procs.log(name), 'utf8').includes('worker ready'), 600_000)));
+}, 1_200_000);
+
+afterAll(async () => {
+  await procs.stopAll();
+  cleanup();
+  console.log(`cluster logs: ${procs.log('*')}`);
+});
+
+const metrics = (runId: string) => {
+  const file = path.join(storeRoot, runId, 'metrics.jsonl');
+  return fs.existsSync(file) ? fs.readFileSync(file, 'utf8').trim().split('\n').filter(Boolean).map((l) => JSON.parse(l)) : [];
+};
+const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
+
+test('a recipe run completes across hosts; refits cross hosts; bind addresses and tokens hold', async () => {
+  const runId = `cluster-${Date.now()}`;
+  const run = runCli(['start', 'recipes/copy', '--run-id', runId, ...RECIPE, '--follow'], { MOLT_TEMPORAL_ADDRESS: temporal });
+
+  // Mid-run, with every process up: who listens where.
+  await waitUntil('the first step', () => metrics(runId).length >= 1, 900_000);
+  const wildcard = new Set(['0.0.0.0', '*', '[::]', '::']);
+  for (const host of Object.values(hosts)) {
+    for (const l of listeners(host)) {
+      const where = `${host.name}: ${l.command} on ${l.addr}:${l.port}`;
+      if (wildcard.has(l.addr)) {
+        // torchrun's rendezvous store (torch's TCPStore binds every interface; torchrun has no option)
+        expect([where, host.name, l.port]).toEqual([where, 'actor-0', 29500]);
+      } else if (l.addr.startsWith('127.') || l.addr === '[::1]') {
+        // the agents' loopback servers; the dev server (see above)
+        expect([where, host.name.startsWith('rollout-') || l.command === 'temporal']).toEqual([where, true]);
+      } else {
+        expect([where, l.addr]).toEqual([where, host.ip]);
+      }
+    }
+  }
+  // Every service wants its token, from any host.
+  for (const url of [...engines, actor]) {
+    expect((await fetch(`${url}/health`)).status).toBe(401);
+    expect((await fetch(`${url}/health`, { headers: { authorization: 'Bearer wrong' } })).status).toBe(401);
+  }
+
+  const result = await run;
+  expect(result.stderr + result.stdout).toContain(`run ${runId} finished after ${STEPS} steps`);
+  expect(result.code).toBe(0);
+  // The actor trained on two hosts; the engines, on two others, hold the last step's weights.
+  expect((await health(actor)).world_size).toBe(2);
+  for (const url of engines) expect((await health(url)).version).toBe(STEPS);
+  const lines = metrics(runId);
+  expect(lines.map((m) => m.step)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
+  for (const m of lines) expect(m['time/refit_transfer']).toBeGreaterThan(0);
+
+  // The groups ran on the rollout hosts (identities are pid@hostname; Temporal hands a task to any
+  // poller, so which of the two rollout workers took how many is not fixed).
+  const connection = await Connection.connect({ address: temporal });
+  const workers = new Map<string, Set<string>>(); // activity type -> identities
+  try {
+    const client = new Client({ connection });
+    for await (const r of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) {
+      const types = new Map<string, string>();
+      for (const event of (await client.workflow.getHandle(r.workflowId, r.runId).fetchHistory()).events ?? []) {
+        const type = event.activityTaskScheduledEventAttributes?.activityType?.name;
+        if (type) types.set(String(event.eventId), type);
+        const started = event.activityTaskStartedEventAttributes;
+        if (started) {
+          const of = types.get(String(started.scheduledEventId))!;
+          workers.set(of, (workers.get(of) ?? new Set()).add(started.identity!));
+        }
+      }
+    }
+  } finally {
+    await connection.close();
+  }
+  const rollout = workers.get('rolloutGroup') ?? new Set();
+  expect(rollout.size).toBeGreaterThanOrEqual(1);
+  for (const id of workers.get('trainStep') ?? []) expect(rollout.has(id)).toBe(false);
+  console.log(`cluster run: ${STEPS} steps, time/step mean ${mean(lines.map((m) => m['time/step'])).toFixed(2)} s, `
+    + `refit across hosts mean ${mean(lines.map((m) => m['time/refit_transfer'])).toFixed(3)} s, ${rollout.size} rollout worker(s) used`
+    + ` (client on ${LOGIN_IP})`);
+}, 1_800_000);
