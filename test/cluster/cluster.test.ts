@@ -90,23 +90,19 @@ test('a recipe run completes across hosts; refits cross hosts; bind addresses an
   const runId = `cluster-${Date.now()}`;
   const run = runCli(['start', 'recipes/copy', '--run-id', runId, ...RECIPE, '--follow'], { MOLT_TEMPORAL_ADDRESS: temporal });
 
-  // Mid-run, with every process up: who listens where.
-  await waitUntil('the first step', () => metrics(runId).length >= 1, 900_000);
-  const wildcard = new Set(['0.0.0.0', '*', '[::]', '::']);
-  for (const host of Object.values(hosts)) {
-    for (const l of listeners(host)) {
-      const where = `${host.name}: ${l.command} on ${l.addr}:${l.port}`;
-      if (wildcard.has(l.addr)) {
-        // torchrun's rendezvous store (torch's TCPStore binds every interface; torchrun has no option)
-        expect([where, host.name, l.port]).toEqual([where, 'actor-0', 29500]);
-      } else if (l.addr.startsWith('127.') || l.addr === '[::1]') {
-        // the agents' loopback servers; the dev server (see above)
-        expect([where, host.name.startsWith('rollout-') || l.command === 'temporal']).toEqual([where, true]);
-      } else {
-        expect([where, l.addr]).toEqual([where, host.ip]);
+  // Who listens where, sampled on every host until the run ends (a weight push's store lives for
+  // a second, an episode's loopback server for less).
+  const seen = new Map<string, { host: Host; addr: string; port: number; command: string }>();
+  let running = true;
+  const sampler = (async () => {
+    while (running) {
+      for (const host of Object.values(hosts)) {
+        for (const l of listeners(host)) seen.set(`${host.name} ${l.command} ${l.addr}:${l.port}`, { host, ...l });
       }
+      await new Promise((r) => setTimeout(r, 100));
     }
-  }
+  })();
+  await waitUntil('the first step', () => metrics(runId).length >= 1, 900_000);
   // Every service wants its token, from any host.
   for (const url of [...engines, actor]) {
     expect((await fetch(`${url}/health`)).status).toBe(401);
@@ -114,8 +110,23 @@ test('a recipe run completes across hosts; refits cross hosts; bind addresses an
   }
 
   const result = await run;
+  running = false;
+  await sampler;
   expect(result.stderr + result.stdout).toContain(`run ${runId} finished after ${STEPS} steps`);
   expect(result.code).toBe(0);
+  const wildcard = new Set(['0.0.0.0', '*', '[::]', '::']);
+  for (const [where, { host, addr, port, command }] of seen) {
+    if (wildcard.has(addr)) {
+      // torchrun's rendezvous store (torch's TCPStore binds every interface; torchrun has no option)
+      expect([where, host.name, port]).toEqual([where, 'actor-0', 29500]);
+    } else if (addr.startsWith('127.') || addr === '[::1]') {
+      // the agents' loopback servers; the dev server (see above)
+      expect([where, host.name.startsWith('rollout-') || command === 'temporal']).toEqual([where, true]);
+    } else {
+      expect([where, addr]).toEqual([where, host.ip]);
+    }
+  }
+  expect([...seen.keys()].filter((k) => k.startsWith('rollout-') && / 127\.0\.0\.1:/.test(k)).length).toBeGreaterThan(0);
   // The actor trained on two hosts; the engines, on two others, hold the last step's weights.
   expect((await health(actor)).world_size).toBe(2);
   for (const url of engines) expect((await health(url)).version).toBe(STEPS);
