@@ -1,13 +1,11 @@
 // Agents written in Python, as recipe agent modules: a recipe's agent.ts is
 //   export const AgentRunner = pythonChatAgent(path.join(__dirname, 'agent.py'));   // or pythonEnv(...)
 // The Python side is recipes/python/molt_agent.py (on PYTHONPATH for these programs), which also
-// documents the wire formats. One Python process per episode; its stderr tail (a traceback names the
-// file and line) is in the error of an episode that fails.
-import { execFileSync, spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
+// documents the wire formats. The error of a call that fails carries the Python traceback (file and line).
+import { spawn, type ChildProcessWithoutNullStreams } from 'node:child_process';
 import * as path from 'node:path';
-import { commandAgent } from '../../agents/chat-runner';
-import type { ChatMessage, ToolSpec } from '../../agents/chat-template';
-import type { ChatAgentRunner, Env, EnvAgentRunner, EnvStepResult } from '../../agents/contract';
+import type { ChatPrompt, ChatResult } from '../../agents/chat-runner';
+import type { ChatAgentRunner, Demonstration, Env, EnvAgentRunner, EnvStepResult } from '../../agents/contract';
 import { REPO_ROOT } from '../../agents/recipe';
 
 export const PYTHON = process.env.MOLT_PYTHON ?? path.join(REPO_ROOT, '.venv', 'bin', 'python');
@@ -17,45 +15,71 @@ const pythonEnvVars = () => ({
 });
 const tail = (text: string) => text.trim().split('\n').slice(-12).join('\n');
 
-// Runs `python <file> <mode>` with one JSON request on stdin; its last stdout line is the JSON answer.
-function ask(file: string, mode: string, request: unknown): Promise<unknown> {
-  return new Promise((resolve, reject) => {
-    const child = spawn(PYTHON, [file, mode], { env: pythonEnvVars() });
-    let [stdout, stderr] = ['', ''];
-    child.stdout.on('data', (d) => (stdout += d));
-    child.stderr.on('data', (d) => (stderr += d));
-    child.on('error', reject);
-    child.on('close', (code) => {
-      if (code !== 0) return reject(new Error(`python ${file} ${mode} exited with ${code}:\n${tail(stderr)}`));
-      try {
-        resolve(JSON.parse(stdout.trim().split('\n').pop() ?? ''));
-      } catch {
-        reject(new Error(`python ${file} ${mode}: the last stdout line is not JSON: ${JSON.stringify(stdout.slice(-200))}`));
+// A ChatAgent program (molt_agent.chat_agent) started once per worker process with `serve`: it forks a
+// child per call, so the imports (openai: a second of CPU) are paid once, not per episode. Calls go
+// as JSON lines {id, call, request}; replies {id, result} or {id, error, traceback} come in any order.
+class PythonServer {
+  private child?: ChildProcessWithoutNullStreams;
+  private stdout = '';
+  private stderr = '';
+  private nextId = 0;
+  private readonly pending = new Map<number, { resolve: (v: unknown) => void; reject: (e: Error) => void; call: string }>();
+
+  constructor(private readonly file: string) {}
+
+  call(call: string, request: unknown): Promise<unknown> {
+    const child = (this.child ??= this.start());
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject, call });
+      child.ref(); // calls in flight keep the event loop alive; an idle server does not
+      child.stdin.write(`${JSON.stringify({ id, call, request })}\n`);
+    });
+  }
+
+  private start(): ChildProcessWithoutNullStreams {
+    const child = spawn(PYTHON, [this.file, 'serve'], { env: pythonEnvVars() });
+    child.stdout.on('data', (d) => {
+      this.stdout += d;
+      for (let at = this.stdout.indexOf('\n'); at >= 0; at = this.stdout.indexOf('\n')) {
+        const reply = JSON.parse(this.stdout.slice(0, at));
+        this.stdout = this.stdout.slice(at + 1);
+        const waiting = this.pending.get(reply.id);
+        if (!waiting) continue;
+        this.pending.delete(reply.id);
+        if (!this.pending.size) child.unref();
+        if (typeof reply.error === 'string') {
+          waiting.reject(new Error(`python ${this.file}: ${waiting.call}(): ${reply.error}\n${tail(String(reply.traceback ?? ''))}`));
+        } else {
+          waiting.resolve(reply.result);
+        }
       }
     });
-    child.stdin.end(JSON.stringify(request));
-  });
+    child.stderr.on('data', (d) => (this.stderr = (this.stderr + d).slice(-20_000)));
+    const gone = (why: string) => {
+      if (this.child === child) this.child = undefined; // the next call starts a new one
+      for (const { reject } of this.pending.values()) reject(new Error(`python ${this.file} ${why}:\n${tail(this.stderr)}`));
+      this.pending.clear();
+    };
+    child.on('error', (e) => gone(`could not start: ${e.message}`));
+    child.on('close', (code, signal) => gone(`exited with ${code ?? signal}`));
+    child.stdin.on('error', () => undefined); // a dead process: reported by 'close'
+    for (const s of [child.stdin, child.stdout, child.stderr]) (s as unknown as { unref(): void }).unref();
+    child.unref();
+    return child;
+  }
 }
 
-type Demonstration = { messages: ChatMessage[]; tools?: ToolSpec[] };
-function demonstrationOf(file: string) {
-  // Synchronous, as the AgentRunner contract has it (the SFT command asks for them one by one).
-  return (index: number, settings: Record<string, unknown>): Demonstration => {
-    const out = execFileSync(PYTHON, [file, 'demonstration'], {
-      env: pythonEnvVars(), input: JSON.stringify({ index, settings }), stdio: ['pipe', 'pipe', 'pipe'],
-    }).toString();
-    return JSON.parse(out.trim().split('\n').pop() ?? '');
-  };
-}
-
-// A ChatAgent program (molt_agent.chat_agent): prompt() and run() are calls to it.
-export function pythonChatAgent(file: string): ChatAgentRunner & { demonstration: ReturnType<typeof demonstrationOf> } {
-  const agent = commandAgent(PYTHON, [file, 'run'], { env: pythonEnvVars() });
+// A ChatAgent program (molt_agent.chat_agent): prompt(), run() and demonstration() are calls to it.
+export function pythonChatAgent(file: string): ChatAgentRunner & {
+  demonstration(index: number, settings: Record<string, unknown>): Promise<Demonstration>;
+} {
+  const server = new PythonServer(file);
   return {
     kind: 'chat',
-    prompt: async (task, settings) => (await ask(file, 'prompt', { task, settings })) as any,
-    run: (ctx) => agent.run(ctx),
-    demonstration: demonstrationOf(file),
+    prompt: async (task, settings) => (await server.call('prompt', { task, settings })) as ChatPrompt,
+    run: async (ctx) => (await server.call('run', ctx)) as ChatResult,
+    demonstration: async (index, settings) => (await server.call('demonstration', { index, settings })) as Demonstration,
   };
 }
 

@@ -90,8 +90,8 @@ describe('the Python tool-calc agent against the loopback server, the policy scr
   });
 
   test('a demonstration from Python is what the loop records when the policy writes it, and scores 1', async () => {
-    const demo = ToolCalcPy.demonstration(2, {});
-    expect(ToolCalcPy.demonstration(2, {})).toEqual(demo);
+    const demo = await ToolCalcPy.demonstration(2, {});
+    expect(await ToolCalcPy.demonstration(2, {})).toEqual(demo);
     const assistant = demo.messages.filter((m) => m.role === 'assistant');
     expect(assistant.length).toBeGreaterThanOrEqual(2);
     const replies = assistant.map((m) => {
