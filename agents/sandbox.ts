@@ -74,7 +74,6 @@ if libc.prctl(38, 1, 0, 0, 0): sys.exit('molt-sandbox: prctl(PR_SET_NO_NEW_PRIVS
 for name, text in job['files'].items():
     os.makedirs(os.path.dirname(name) or '.', exist_ok=True)
     with open(name, 'w') as f: f.write(text)
-os.environ.clear(); os.environ.update(job['env'])
 sys.argv = ['main.py']; sys.path.insert(0, '/tmp')
 os.write(3, b'ran '); os.close(3)  # set up: from here on, what fails is the code's
 try:
@@ -126,10 +125,11 @@ export async function runInSandbox(code: string, opts: SandboxOptions = {}): Pro
   if (badName !== undefined) {
     throw new Error(`sandbox: files: ${JSON.stringify(badName)} must be a relative path inside /tmp other than main.py`);
   }
+  // The code's whole environment: nothing of the worker's (tokens, addresses) goes in.
   const env = { PATH: '/usr/local/bin:/usr/bin:/bin', HOME: '/tmp', TMPDIR: '/tmp', LANG: 'C.UTF-8', OMP_NUM_THREADS: '1' };
   const cg = makeCgroups(limits);
   const job = JSON.stringify({
-    cgroups: cg.dirs, diskMb: limits.diskMb, cpuSeconds: limits.cpuSeconds, env, files: { ...opts.files, 'main.py': code },
+    cgroups: cg.dirs, diskMb: limits.diskMb, cpuSeconds: limits.cpuSeconds, files: { ...opts.files, 'main.py': code },
     backstopSeconds: Math.ceil(limits.wallMs / 1000) + 5,
   });
   const started = Date.now();
