@@ -54,6 +54,7 @@ from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResp
                       LogprobsResponse, PushWeightsRequest, PushWeightsResponse, SftStepRequest, TrainStepRequest,
                       TrainStepResponse, WeightReceiveRequest)
 from trajectories import Segment, load_segment, pad_right
+from vision import check_placeholders, load_image, vision_inputs
 
 HEARTBEAT_S = 60  # idle ranks wait for commands inside a collective, which times out (gloo: 30 min) unless fed
 LOGPROBS_MICRO_BATCH_TOKENS = 8192
@@ -187,7 +188,11 @@ class Actor:
         model = load_causal_lm(path, torch.float32, self.device)
         mp = MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy() if self.args.offload_optimizer and self.device.type == "cuda" else OffloadPolicy()
-        for layer in model.model.layers:
+        visual = getattr(model.model, "visual", None)  # a vision-language model's vision tower
+        if visual is not None and self.args.freeze_vision:
+            visual.requires_grad_(False)  # no gradients, so AdamW leaves it as it is
+        layers = getattr(model.model, "language_model", model.model).layers
+        for layer in [*layers, *(visual.blocks if visual is not None else [])]:
             fully_shard(layer, mp_policy=mp, offload_policy=offload)
         fully_shard(model, mp_policy=mp, offload_policy=offload)
         return model
@@ -227,9 +232,17 @@ class Actor:
         causal attention no real token sees the padding after it."""
         return tokens[rows or [0], :max(lengths[i] for i in rows or [0])].to(self.device)
 
+    @staticmethod
+    def forward(model, x: torch.Tensor, rows: list[int], images: list[list[dict]] | None) -> torch.Tensor:
+        """Logits [b,L,V] of micro-batch x (these rows; images[i]: row i's stored processed images, fed as stored:
+        the model places them at the placeholders and computes the M-RoPE positions, as the engine did)."""
+        extra = vision_inputs(model, x, [im for i in rows or [0] for im in images[i]]) if images else {}
+        return model(input_ids=x, **extra).logits
+
     @torch.no_grad()
     def batch_logprobs(self, model, tokens: torch.Tensor, lengths: list[int], plan: list[list[int]],
-                       routes: torch.Tensor | None = None, replay: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       routes: torch.Tensor | None = None, replay: bool = False,
+                       images: list[list[dict]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs [N,T] of all rows: each rank computes its rows, a sum over ranks fills in the rest.
         routes [N,T,layers,k]: MoE experts recorded per input position (see moe_routing), replayed if replay;
         then also returns agree [N,T] (1.0 where the model's own top-k equals the record at every layer)."""
@@ -238,7 +251,7 @@ class Actor:
         for rows in plan:
             x = self.micro_batch(tokens, lengths, rows)
             with moe_routing(model, None if routes is None else routes[rows or [0], :x.shape[1]], replay) as same:
-                logp = token_logprobs(model(input_ids=x).logits, x)
+                logp = token_logprobs(self.forward(model, x, rows, images), x)
             if rows:
                 out[rows, :x.shape[1]] = logp
                 if same is not None:
@@ -249,11 +262,11 @@ class Actor:
                 dist.all_reduce(agree)
         return out, agree
 
-    def logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
+    def logprobs(self, token_ids: list[list[int]], images: list[list[dict]] | None = None) -> list[list[float]]:
         tokens = pad_right([torch.tensor(t, dtype=torch.long) for t in token_ids])
         lengths = [len(t) for t in token_ids]
         plan = plan_micro_batches(lengths, self.world_size, self.rank, LOGPROBS_MICRO_BATCH_TOKENS)
-        out = self.batch_logprobs(self.model, tokens, lengths, plan)[0].cpu()
+        out = self.batch_logprobs(self.model, tokens, lengths, plan, images=images)[0].cpu()
         return [out[i, :n].tolist() for i, n in enumerate(lengths)]
 
     # --- one optimizer step
@@ -280,8 +293,9 @@ class Actor:
         plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
 
         # current weights, before the update
-        old_logp, agree = self.batch_logprobs(self.model, tokens, lengths, plan, routes, algo.routing_replay)
-        ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan)[0] if self.ref is not None else None
+        images = [s.images for s in segments] if any(s.images for s in segments) else None
+        old_logp, agree = self.batch_logprobs(self.model, tokens, lengths, plan, routes, algo.routing_replay, images)
+        ref_logp = self.batch_logprobs(self.ref, tokens, lengths, plan, images=images)[0] if self.ref is not None else None
         t_old = time.time()
 
         mask = staleness_mask(versions, self.version, algo.max_staleness, trainable)  # [N,T] tokens that train
@@ -300,7 +314,7 @@ class Actor:
             x = self.micro_batch(tokens, lengths, rows)  # [b,L]
             L, idx = x.shape[1], rows or [0]
             with moe_routing(self.model, None if routes is None else routes[idx, :L], algo.routing_replay):
-                logits = self.model(input_ids=x).logits  # [b,L,V]
+                logits = self.forward(self.model, x, rows, images)  # [b,L,V]
             logp = token_logprobs(logits, x)  # [b,L]
             entropy = entropy_from_logits(logits[:, :-1])  # [b,L-1]: entropy of the distribution of token t
             entropy = torch.cat([torch.zeros_like(entropy[:, :1]), entropy], dim=1)
@@ -639,6 +653,8 @@ def build_app(actor: Actor, token: str | None):
             try:
                 segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
                 check_routes(actor.model, segments, algo.routing_replay)
+                for s in segments:
+                    check_placeholders(actor.model, s.tokens.tolist(), s.images, f"trajectory {s.ref!r}")
             except ValueError as e:
                 raise HTTPException(400, str(e))
             metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
@@ -660,12 +676,19 @@ def build_app(actor: Actor, token: str | None):
 
     @app.post("/logprobs")
     def logprobs(req: LogprobsRequest) -> LogprobsResponse:
-        vocab = actor.model.config.vocab_size
-        for i, ids in enumerate(req.token_ids):
-            if not ids or min(ids) < 0 or max(ids) >= vocab:
-                raise HTTPException(400, f"token_ids[{i}] must be non-empty ids in [0, {vocab})")
+        vocab = actor.model.get_input_embeddings().num_embeddings
+        if req.images and len(req.images) != len(req.token_ids):
+            raise HTTPException(400, f"images has {len(req.images)} rows, token_ids {len(req.token_ids)}")
+        try:
+            images = [[load_image(p, f"images[{i}]") for p in paths] for i, paths in enumerate(req.images)]
+            for i, ids in enumerate(req.token_ids):
+                if not ids or min(ids) < 0 or max(ids) >= vocab:
+                    raise ValueError(f"token_ids[{i}] must be non-empty ids in [0, {vocab})")
+                check_placeholders(actor.model, ids, images[i] if images else [], f"token_ids[{i}]")
+        except ValueError as e:
+            raise HTTPException(400, str(e))
         with actor.lock:
-            return LogprobsResponse(logprobs=actor.run("logprobs", req.token_ids))
+            return LogprobsResponse(logprobs=actor.run("logprobs", req.token_ids, images or None))
 
     @app.post("/push_weights")
     def push_weights(req: PushWeightsRequest) -> PushWeightsResponse:
@@ -796,6 +819,7 @@ def main():
     p.add_argument("--dtype", default="float32", help="compute dtype (bfloat16 on GPU); master weights are fp32")
     p.add_argument("--offload-optimizer", action="store_true")
     p.add_argument("--ref-model", default=None, help="frozen reference for KL terms (e.g. the initial model)")
+    p.add_argument("--freeze-vision", action="store_true", help="vision-language models: train the language model only")
     p.add_argument("--advertise-host", default=None, help="address engines use to reach this host (weight push)")
     args = p.parse_args()
     if args.advertise_host is None:

@@ -75,9 +75,18 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
-    from transformers import AutoModelForCausalLM
+    """A causal LM, or a vision-language model (config with a vision_config) whose policy never samples vision
+    tokens: their logits are -1e4 (probability 0, yet a finite logprob where they stand in a prompt) in the engine
+    and in the actor alike (vision.vision_token_ids)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    vlm = hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    model = (AutoModelForImageTextToText if vlm else AutoModelForCausalLM).from_pretrained(path, dtype=dtype)
+    if vlm:
+        from vision import vision_token_ids
+        banned = torch.tensor(vision_token_ids(model.config))
+        model.get_output_embeddings().register_forward_hook(
+            lambda _m, _i, logits: logits.index_fill(-1, banned.to(logits.device), -1e4))
     return model.to(device or default_device()).eval()
 
 

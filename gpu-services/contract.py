@@ -35,6 +35,8 @@ class GenerateRequest(Strict):
     request_id: Optional[str] = None
     stream: bool = False  # true: NDJSON lines of GenerateChunk, the last one carries finish_reason
     return_routed_experts: bool = False  # MoE: per sampled token, the experts of every layer (see GenerateResponse)
+    # vision-language models: processed image files (ImageResponse.path), in the order of their placeholder runs
+    images: list[str] = []
 
 
 class GenerateChunk(Strict):
@@ -55,6 +57,18 @@ class GenerateResponse(Strict):
     # [tokens][layers][top_k], when asked: token i's experts are those chosen in the forward that produced its
     # logits (at the position before it), by the weights of versions[i]
     routed_experts: Optional[list[list[list[int]]]] = None
+
+
+class ImageRequest(Strict):
+    """Process one image with the model's image processor; the result is stored content-addressed in dir."""
+    data: str  # base64 of the image file (PNG, JPEG, WEBP, GIF)
+    dir: str  # where the processed tensors go (the episode's image folder in the store)
+
+
+class ImageResponse(Strict):
+    path: str  # <dir>/<sha256>.safetensors: pixel_values, image_grid_thw
+    grid_thw: list[int]
+    tokens: int  # placeholder tokens the image fills in the prompt
 
 
 class EngineLoad(Strict):
@@ -240,6 +254,7 @@ class CheckpointResponse(Strict):
 
 class LogprobsRequest(Strict):
     token_ids: list[list[int]] = Field(min_length=1)
+    images: list[list[str]] = []  # vision-language models: row i's processed image files, as in GenerateRequest
 
 
 class LogprobsResponse(Strict):
@@ -258,7 +273,7 @@ class ErrorResponse(Strict):
     error: str
 
 
-ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, EngineHealth, PauseRequest,
+ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, ImageRequest, ImageResponse, EngineHealth, PauseRequest,
        AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, AlgoConfig,
        TrainStepRequest, SftExample, SftStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
        CheckpointRequest, InitRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]

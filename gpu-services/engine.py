@@ -4,7 +4,7 @@
         [--backend torch] [--dtype float32] [--device auto] [--max-batch 64] [--keep-stale-kv] [--name NAME]
 
 The server holds no tensors: it validates bodies and forwards to a backend object with the methods
-submit, health, pause, resume, abort, receive_weights, load_weights (torch_engine.TorchEngine;
+submit, health, pause, resume, abort, receive_weights, load_weights, process_image (torch_engine.TorchEngine;
 a `vllm` backend will offer the same methods).
 """
 import argparse
@@ -16,8 +16,8 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import StreamingResponse
 
 from common import service_app, token_from_env
-from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, PauseRequest,
-                      VersionResponse, WeightLoadRequest, WeightReceiveRequest)
+from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
+                      ImageResponse, PauseRequest, VersionResponse, WeightLoadRequest, WeightReceiveRequest)
 
 
 def build_app(backend, token: str | None) -> FastAPI:
@@ -49,6 +49,13 @@ def build_app(backend, token: str | None) -> FastAPI:
                 out[key] += ev[key]
             finish_reason = ev["finish_reason"]
         return GenerateResponse(request_id=request_id, finish_reason=finish_reason, **out)
+
+    @app.post("/images")
+    def images(req: ImageRequest) -> ImageResponse:
+        try:
+            return ImageResponse(**backend.process_image(req))
+        except ValueError as e:
+            raise HTTPException(400, str(e))
 
     @app.post("/pause")
     def pause(req: PauseRequest | None = None) -> dict:

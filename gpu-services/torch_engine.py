@@ -41,7 +41,8 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from common import check_generate_ids, check_model_dir, load_causal_lm, moe_routers
-from contract import GenerateRequest, SamplingParams, WeightReceiveRequest
+from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
+from vision import check_placeholders, decode_base64, image_token_id, load_image, process_image, save_image, vision_inputs
 from weight_transfer import open_group, recv_bucket
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
@@ -56,6 +57,8 @@ class Sequence:
     generator: torch.Generator  # per request: same seed -> same draws, whatever else is in the batch
     deliver: Callable[[Event], None]  # thread-safe hand-off to the HTTP handler waiting on this request
     return_routed_experts: bool = False
+    images: list[dict] = field(default_factory=list)  # processed images (vision.load_image), in placeholder order
+    rope_delta: int = 0  # M-RoPE: position of the next token minus its index (images take fewer positions)
     tokens: list[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
 
@@ -95,11 +98,16 @@ class TorchEngine:
         self.max_batch = max_batch
         self.keep_stale_kv = keep_stale_kv
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.max_len = self.model.config.max_position_embeddings  # prompt + output never exceed this
-        self.pad_id = self.model.config.pad_token_id or 0  # masked out; any valid id works
+        text_config = self.model.config.get_text_config()
+        self.max_len = text_config.max_position_embeddings  # prompt + output never exceed this
+        self.pad_id = text_config.pad_token_id or 0  # masked out; any valid id works
         self.version = 0
         self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
         self._routers = moe_routers(self.model)
+        self.vlm = image_token_id(self.model) is not None
+        if self.vlm:
+            from transformers import AutoImageProcessor
+            self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self._picked: list[torch.Tensor] = []  # per MoE layer, in forward order: the router's top-k ids [B*L, k]
         for router in self._routers:
             router.register_forward_hook(lambda _m, _inputs, out: self._picked.append(out[2]))
@@ -129,6 +137,8 @@ class TorchEngine:
         """Validate and queue a request (ValueError names the problem); returns its id and its events.
         Call from the event loop: events are handed over with call_soon_threadsafe."""
         check_generate_ids(req, self.vocab_size, self.max_len, "max_position_embeddings")
+        images = [load_image(p, f"images[{i}]") for i, p in enumerate(req.images)]
+        check_placeholders(self.model, req.prompt_token_ids, images, "prompt_token_ids")
         if req.return_routed_experts and not self._routers:
             raise ValueError(f"return_routed_experts: model {self.name!r} has no MoE routers")
         loop = asyncio.get_running_loop()
@@ -141,7 +151,7 @@ class TorchEngine:
 
         seq = Sequence(request_id=req.request_id or uuid.uuid4().hex, prompt=list(req.prompt_token_ids),
                        sampling=req.sampling, generator=torch.Generator().manual_seed(seed), deliver=deliver,
-                       return_routed_experts=req.return_routed_experts)
+                       return_routed_experts=req.return_routed_experts, images=images)
         with self._cv:
             if seq.request_id in self._live:
                 raise ValueError(f"request_id {seq.request_id!r} is already in flight")
@@ -160,6 +170,15 @@ class TorchEngine:
                 if seq.finish_reason is None:
                     self._request_abort([seq.request_id])
         return seq.request_id, stream()
+
+    def process_image(self, req: ImageRequest) -> dict:
+        """Process an image once, store it content-addressed; generate requests and trajectories then name it."""
+        if not self.vlm:
+            raise ValueError(f"model {self.name!r} is not a vision-language model: it takes no images")
+        tensors = process_image(self.processor, decode_base64(req.data))
+        grid = tensors["image_grid_thw"]
+        merge = self.model.config.vision_config.spatial_merge_size
+        return {"path": save_image(req.dir, tensors), "grid_thw": grid[0].tolist(), "tokens": int(grid.prod()) // merge ** 2}
 
     def pause(self, mode: str) -> None:
         """keep: stop stepping, hold in-flight requests. abort: also end them with 'abort'.
@@ -298,7 +317,10 @@ class TorchEngine:
         if self._running:  # decode: feed each running sequence its last sampled token
             B = len(self._running)
             input_ids = torch.tensor([[s.tokens[-1]] for s in self._running], device=self.device)  # [B, 1]
-            positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1] for s in self._running], device=self.device)  # [B, 1]
+            positions = torch.tensor([[len(s.prompt) + len(s.tokens) - 1 + s.rope_delta] for s in self._running],
+                                     device=self.device)  # [B, 1]
+            if self.vlm:  # M-RoPE: text positions are the same in its 3 sections
+                positions = positions[None].expand(3, -1, -1)  # [3, B, 1]
             self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
             self._picked.clear()
             logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
@@ -310,10 +332,17 @@ class TorchEngine:
             input_ids = torch.tensor([[self.pad_id] * (L - len(c)) + c for c in contexts], device=self.device)  # [A, L]
             mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in contexts], device=self.device)  # [A, L]
             positions = (mask.cumsum(dim=1) - 1).clamp(min=0)  # [A, L], 0-based within each sequence
-            cache = DynamicCache(config=self.model.config)
+            images = vision_inputs(self.model, input_ids, [im for s in admitted for im in s.images])
+            if self.vlm:  # M-RoPE positions [3, A, L], as the model computes them itself (the actor's forward)
+                positions, deltas = self.model.model.get_rope_index(
+                    input_ids, (input_ids == image_token_id(self.model)).int(), images.get("image_grid_thw"),
+                    attention_mask=mask)
+                for s, delta in zip(admitted, deltas[:, 0].tolist()):
+                    s.rope_delta = delta
+            cache = DynamicCache(config=self.model.config.get_text_config())
             self._picked.clear()
-            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                                cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [A, V]
+            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                use_cache=True, logits_to_keep=1, **images).logits[:, -1]  # [A, V]
             self._sample(admitted, logits, self._last_routes(len(admitted)))
             self._merge(admitted, cache, mask)
         self._drop_finished()

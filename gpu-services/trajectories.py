@@ -6,14 +6,19 @@ One safetensors file per episode segment:
            trained), optional routed_experts int16 [T, layers, top_k] (MoE: the experts of the engine's forward
            that produced token t's logits, i.e. at position t-1; rows of -1 where there is no record)
   metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings), and
-           sha256: hex digest of the data part of the file (everything after the header), checked here
+           sha256: hex digest of the data part of the file (everything after the header), checked here; optional
+           images: a JSON list of processed image files (vision.py) relative to the store root, in the order of
+           their placeholder runs in tokens (one file per distinct image of the episode, shared by its segments)
 """
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from vision import load_image
 
 FORMAT = "molt-trajectory-v1"
 
@@ -30,6 +35,7 @@ class Segment:
     episode: int
     segment: int
     reward: float
+    images: list[dict]  # processed images (vision.load_image), in placeholder order
 
 
 def load_segment(store_root: str, ref: str) -> Segment:
@@ -68,10 +74,16 @@ def load_segment(store_root: str, ref: str) -> Segment:
         group, episode, segment, reward = int(meta["group"]), int(meta["episode"]), int(meta["segment"]), float(meta["reward"])
     except (KeyError, ValueError) as e:
         raise ValueError(f"trajectory {ref!r}: metadata needs integer group/episode/segment and float reward: {e}") from None
+    try:
+        image_refs = json.loads(meta.get("images", "[]"))
+        assert isinstance(image_refs, list) and all(isinstance(r, str) for r in image_refs)
+    except (ValueError, AssertionError):
+        raise ValueError(f"trajectory {ref!r}: metadata images must be a JSON list of refs") from None
+    images = [load_image(str(Path(store_root) / r), f"trajectory {ref!r}") for r in image_refs]
     return Segment(ref=ref, tokens=tensors["tokens"].long(), rollout_logp=tensors["logprobs"],
                    versions=tensors["versions"].long(), loss_mask=tensors["loss_mask"].float(),
                    routed_experts=None if routed is None else routed.long(),
-                   group=group, episode=episode, segment=segment, reward=reward)
+                   group=group, episode=episode, segment=segment, reward=reward, images=images)
 
 
 def pad_right(rows: list[torch.Tensor], value=0) -> torch.Tensor:

@@ -139,6 +139,8 @@ class VllmEngine:
         check_generate_ids(req, self.vocab_size, self.max_len, "max_model_len")
         if req.return_routed_experts:
             raise ValueError("return_routed_experts is not supported by the engine server yet")
+        if req.images:  # TODO(issue 18): pass the stored processed images as vLLM multimodal data
+            raise ValueError("images are not supported by the vllm backend yet (use the torch backend)")
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -186,6 +188,9 @@ class VllmEngine:
             self._live.discard(request_id)
             if finish is None:  # aborted (or failed) without a final output
                 deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
+
+    def process_image(self, req) -> dict:
+        raise ValueError("images are not supported by the vllm backend yet (use the torch backend)")
 
     def pause(self, mode: str) -> None:
         """keep: hold in-flight requests (their KV is dropped and recomputed on resume unless keep_stale_kv).

@@ -86,3 +86,10 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_moe_model(tmp_path_factory) -> Path:
     from make_tiny_model import make
     return make(str(tmp_path_factory.mktemp("models") / "tiny-moe"), seed=0, moe=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(ROOT / "recipes" / "geo"))
+    from make_tiny_vlm import make
+    return make(str(tmp_path_factory.mktemp("models") / "tiny-vlm"), seed=0)

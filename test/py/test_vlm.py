@@ -1,0 +1,191 @@
+"""A tiny Qwen3-VL policy through the real engine and actor processes: images processed once by the engine and
+stored content-addressed, a multi-turn image conversation generated over the expanded placeholder ids, and the
+actor's logprobs on the stored segment (the same stored pixel values) equal to the engine's; an image processed at
+another resolution gives other logprobs (so the check sees re-processing); an FSDP2 step with the vision tower
+frozen or trained; bad images get a 400 naming the problem."""
+import base64
+import io
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+
+from conftest import actor_server, client, engine_server
+
+torch.set_num_threads(1)
+TOL = 1e-4  # engine vs actor, fp32 on CPU
+RUN = "run-vlm"
+IM_START, IM_END, V_START, V_END, IMAGE_PAD = 257, 258, 259, 260, 261
+
+
+def png(size=(64, 48), shape=((5, 40), (58, 8), (30, 44)), colour="red") -> bytes:
+    img = Image.new("RGB", (64, 48), "white")
+    ImageDraw.Draw(img).polygon(shape, outline="black", fill=colour)
+    buf = io.BytesIO()
+    img.resize(size).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def text(s: str) -> list[int]:
+    return list(s.encode())
+
+
+def user_turn(parts: list) -> list[int]:
+    """ChatML user turn; an int part is an image of that many placeholders (the processor's expansion)."""
+    ids = [IM_START] + text("user\n")
+    for p in parts:
+        ids += [V_START] + [IMAGE_PAD] * p + [V_END] if isinstance(p, int) else text(p)
+    return ids + [IM_END] + text("\n") + [IM_START] + text("assistant\n")
+
+
+def post_image(c, data: bytes, directory) -> dict:
+    r = c.post("/images", json={"data": base64.b64encode(data).decode(), "dir": str(directory)})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_vlm, tmp_path_factory):
+    with engine_server(tiny_vlm, tmp_path_factory.mktemp("engine")) as url:
+        yield url
+
+
+def run_episode(c, root, episode: int, reward: float) -> dict:
+    """Two turns: [triangle] -> reply, [square, triangle again] -> reply; one segment, written as the rollout worker
+    writes it, with its images stored once in the episode's image folder."""
+    images_dir = root / RUN / "trajectories" / "g0" / f"e{episode}-images"
+    tri = post_image(c, png(), images_dir)
+    square = post_image(c, png(shape=((8, 8), (56, 8), (56, 40), (8, 40)), colour="blue"), images_dir)
+    assert post_image(c, png(), images_dir)["path"] == tri["path"]  # content-addressed: the same file
+    assert tri["grid_thw"] == [1, 6, 8] and tri["tokens"] == 12  # 48x64 pixels, patch 8, merge 2
+    tokens, logprobs, versions, mask, paths = [], [], [], [], []
+    for turn, (parts, images) in enumerate([([tri["tokens"], "angle?"], [tri]),
+                                            ([square["tokens"], "and ", tri["tokens"], "?"], [square, tri])]):
+        prompt = (text("\n") if turn else []) + user_turn(parts)
+        tokens += prompt
+        logprobs += [0.0] * len(prompt)
+        versions += [-1] * len(prompt)
+        mask += [0] * len(prompt)
+        paths += [im["path"] for im in images]
+        r = c.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "sampling": {
+            "max_tokens": 6, "seed": 10 * episode + turn, "stop_token_ids": [IM_END]}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        closed = out["token_ids"][-1] == IM_END  # else the turn's end is context, not sampled
+        tokens += out["token_ids"] + ([] if closed else [IM_END])
+        logprobs += out["logprobs"] + ([] if closed else [0.0])
+        versions += out["versions"] + ([] if closed else [-1])
+        mask += [1] * len(out["token_ids"]) + ([] if closed else [0])
+    ref = f"{RUN}/trajectories/g0/e{episode}-s0.safetensors"
+    save_file({"tokens": torch.tensor(tokens, dtype=torch.int32), "logprobs": torch.tensor(logprobs),
+               "versions": torch.tensor(versions, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8)},
+              str(root / ref), metadata={
+                  "format": "molt-trajectory-v1", "run": RUN, "group": "0", "episode": str(episode), "segment": "0",
+                  "reward": str(reward), "finish": "stop",
+                  "images": json.dumps([str(Path(p).relative_to(root)) for p in paths])})
+    return {"root": root, "ref": ref, "tokens": tokens, "logprobs": torch.tensor(logprobs),
+            "mask": torch.tensor(mask, dtype=torch.bool), "paths": paths, "images_dir": images_dir}
+
+
+@pytest.fixture(scope="module")
+def episodes(engine, tmp_path_factory) -> list[dict]:
+    """One group of two episodes with rewards 1 and 0."""
+    root = tmp_path_factory.mktemp("store")
+    with client(engine) as c:
+        return [run_episode(c, root, 0, 1.0), run_episode(c, root, 1, 0.0)]
+
+
+@pytest.fixture(scope="module")
+def episode(episodes) -> dict:
+    return episodes[0]
+
+
+def logprobs(actor, tokens, paths) -> torch.Tensor:
+    with client(actor) as c:
+        r = c.post("/logprobs", json={"token_ids": [tokens], "images": [paths]})
+    assert r.status_code == 200, r.text
+    return torch.tensor(r.json()["logprobs"][0])
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_vlm, tmp_path_factory):
+    with actor_server(tiny_vlm, tmp_path_factory.mktemp("actor"), 1) as url:
+        yield url
+
+
+def test_actor_matches_engine_on_a_multi_turn_image_conversation(engine, episode, actor):
+    tokens, mask = episode["tokens"], episode["mask"]
+    assert tokens.count(IMAGE_PAD) == 36 and len(set(episode["paths"])) == 2  # 3 image uses, 2 files
+    assert len(list(episode["images_dir"].iterdir())) == 2  # stored once per episode, not per turn
+    diff = (logprobs(actor, tokens, episode["paths"]) - episode["logprobs"])[mask].abs().max().item()
+    print(f"engine vs actor max |logprob diff| on the sampled tokens of the image conversation: {diff:.2e}")
+    assert diff < TOL
+    # the image processed at another resolution (66x46 instead of 64x48: the same 6x8 grid, so the same
+    # placeholders) feeds other pixel values: the logprobs move well beyond the tolerance
+    with client(engine) as c:
+        other = post_image(c, png(size=(66, 46)), episode["images_dir"].parent / "other")
+    assert other["grid_thw"] == [1, 6, 8]
+    paths = [other["path"] if p == episode["paths"][0] else p for p in episode["paths"]]
+    assert (logprobs(actor, tokens, paths) - episode["logprobs"])[mask].abs().max() > 10 * TOL
+    sizes = sum(p.stat().st_size for p in episode["images_dir"].iterdir())
+    print(f"stored bytes of the episode: images {sizes}, segment {(episode['root'] / episode['ref']).stat().st_size}")
+
+
+def train(actor, episodes, step=1):
+    with client(actor) as c:
+        t0 = time.time()
+        r = c.post("/train_step", json={"run_id": RUN, "step": step, "store_root": str(episodes[0]["root"]),
+                                        "trajectories": [e["ref"] for e in episodes], "algo": {"lr": 1e-2}})
+        assert r.status_code == 200, r.text
+        print(f"VLM train step: {time.time() - t0:.2f} s (actor: {r.json()['metrics']['time/total']:.2f} s)")
+        return r.json()["metrics"]
+
+
+def saved(actor, path) -> dict:
+    with client(actor) as c:
+        assert c.post("/checkpoint/save", json={"path": str(path)}).status_code == 200
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_fsdp2_step_trains_on_the_stored_images_with_the_vision_tower_frozen_or_not(
+        tiny_vlm, engine, episodes, freeze, tmp_path):
+    (tmp_path / "state").mkdir()
+    with actor_server(tiny_vlm, tmp_path / "state", 2 if freeze else 1, *(["--freeze-vision"] if freeze else [])) as a:
+        before = saved(a, tmp_path / "before")
+        m = train(a, episodes)
+        assert m["rollout_logp_max_abs_diff"] < TOL and m["grad_norm"] > 0, m
+        after = saved(a, tmp_path / "after")
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    vision = {n for n in before if ".visual." in n}
+    assert moved - vision  # the language model trained
+    assert (moved & vision == set()) if freeze else (moved & vision)
+
+
+def test_bad_images_and_placeholder_counts_are_400s(engine, episode, tiny_model, tmp_path):
+    with client(engine) as c:
+        def image(data: bytes) -> str:
+            r = c.post("/images", json={"data": base64.b64encode(data).decode(), "dir": str(tmp_path)})
+            assert r.status_code == 400
+            return r.json()["error"]
+        assert "does not decode" in image(b"not an image at all")
+        buf = io.BytesIO()
+        Image.new("RGB", (8, 8)).save(buf, format="BMP")
+        assert "format BMP is not supported" in image(buf.getvalue())
+        buf = io.BytesIO()
+        Image.new("1", (5000, 4000)).save(buf, format="PNG")
+        assert "5000x4000 pixels, over the limit" in image(buf.getvalue())
+        r = c.post("/images", json={"data": "%%%", "dir": str(tmp_path)})
+        assert r.status_code == 400 and "base64" in r.json()["error"]
+        r = c.post("/generate", json={"prompt_token_ids": user_turn([5, "x"]), "images": episode["paths"][:1]})
+        assert r.status_code == 400 and "5 image placeholder tokens" in r.json()["error"] and "fill 12" in r.json()["error"]
+        r = c.post("/generate", json={"prompt_token_ids": [1, 2], "images": [str(tmp_path / "missing.safetensors")]})
+        assert r.status_code == 400 and "images[0]" in r.json()["error"]
+        assert c.get("/health").status_code == 200
+    with engine_server(tiny_model, tmp_path) as text_only, client(text_only) as c:
+        r = c.post("/images", json={"data": base64.b64encode(png()).decode(), "dir": str(tmp_path)})
+        assert r.status_code == 400 and "not a vision-language model" in r.json()["error"]
