@@ -71,7 +71,8 @@ function postTrainStep(e: ServiceEndpoints, runId: string, step: number, manifes
   if (manifest.sft) {
     const sft: SftStepRequest = { run_id: runId, step, examples: manifest.sft, algo: manifest.algo };
     return callService<TrainStepResponse>(e.actor, '/sft_step', e.token,
-      { body: sft, request: 'SftStepRequest', response: 'TrainStepResponse', signal: Context.current().cancellationSignal });
+      { body: sft, request: 'SftStepRequest', response: 'TrainStepResponse',
+        signal: Context.current().cancellationSignal });
   }
   const body: TrainStepRequest = { run_id: runId, step, store_root: e.storeRoot, trajectories: manifest.refs, algo: manifest.algo };
   return callService<TrainStepResponse>(e.actor, '/train_step', e.token,

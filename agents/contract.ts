@@ -51,7 +51,8 @@ export interface Env {
 // user messages are the observations, assistant messages the actions, tokenized as the env loop does.
 export interface Demonstration { messages: ChatMessage[]; tools?: ToolSpec[] }
 // Optional on both forms: demonstration `index` of a deterministic stream (a retried step gets the same ones).
-export type DemonstrationFn = (index: number, settings: Record<string, unknown>) => Demonstration | Promise<Demonstration>;
+export type DemonstrationFn =
+  (index: number, settings: Record<string, unknown>) => Demonstration | Promise<Demonstration>;
 
 export interface EnvAgentRunner {
   kind: 'env';

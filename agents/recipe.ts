@@ -199,7 +199,9 @@ export function loadRecipe(recipeDir: string, overrides: Record<string, string> 
   }
   if (parsed.data.sft?.data !== undefined) {
     parsed.data.sft.data = path.resolve(recipeDir, parsed.data.sft.data);
-    if (!existsSync(parsed.data.sft.data)) throw new RecipeError(`recipe config: sft.data: ${parsed.data.sft.data} does not exist`);
+    if (!existsSync(parsed.data.sft.data)) {
+      throw new RecipeError(`recipe config: sft.data: ${parsed.data.sft.data} does not exist`);
+    }
   }
   if (parsed.data.init !== undefined) {
     parsed.data.init = path.resolve(parsed.data.init); // workers may run elsewhere: pass an absolute path

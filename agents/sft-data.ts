@@ -31,7 +31,7 @@ export function chatExample(template: ChatTemplate, demo: Demonstration): SftExa
         + 'extension of the one before it, so no rollout could hold these ids in one sequence');
     }
     const turn = full.slice(prompt.length);
-    const end = Math.max(...endOfTurn.map((t) => { const at = turn.lastIndexOf(t); return at < 0 ? -1 : at + t.length; }));
+    const end = Math.max(...endOfTurn.map((t) => (turn.includes(t) ? turn.lastIndexOf(t) + t.length : -1)));
     if (end < 0) throw new Error(`messages[${i}]: the assistant turn renders without an end-of-turn token`);
     add(prompt.slice(done.length), 0);
     add(turn.slice(0, end), 1);
@@ -52,7 +52,9 @@ export function envExample(tokenizer: TextTokenizer, demo: Demonstration): SftEx
 // A demonstration as it came from a file or an agent module: checked so that a bad one names itself.
 function checkDemonstration(demo: unknown, where: string): Demonstration {
   const d = demo as Demonstration;
-  if (typeof d !== 'object' || d === null || !Array.isArray(d.messages)) throw new Error(`${where}: expected {messages: [...], tools?: [...]}`);
+  if (typeof d !== 'object' || d === null || !Array.isArray(d.messages)) {
+    throw new Error(`${where}: expected {messages: [...], tools?: [...]}`);
+  }
   d.messages.forEach((m, i) => {
     if (!['system', 'user', 'assistant', 'tool'].includes(m?.role) || typeof m.content !== 'string') {
       throw new Error(`${where}: messages[${i}] needs role system|user|assistant|tool and a string content`);
@@ -65,7 +67,8 @@ function checkDemonstration(demo: unknown, where: string): Demonstration {
 
 // Demonstrations [from, from + count) of a recipe, tokenized. The file's lines (or the agent's stream) are
 // used in order and cycled, so a step's examples depend only on its number.
-export async function sftExamples(recipeDir: string, config: RecipeConfig, from: number, count: number): Promise<SftExample[]> {
+export async function sftExamples(recipeDir: string, config: RecipeConfig, from: number, count: number,
+): Promise<SftExample[]> {
   const sft = config.sft;
   if (!sft) throw new Error(`recipe ${config.name} has no sft section`);
   const agentPath = path.resolve(recipeDir, config.agent);
@@ -78,13 +81,18 @@ export async function sftExamples(recipeDir: string, config: RecipeConfig, from:
     demo = async (index) => {
       const { l, i } = lines[index % lines.length];
       let parsed: unknown;
-      try { parsed = JSON.parse(l); } catch (e) { throw new Error(`sft.data: ${file}:${i + 1}: ${(e as Error).message}`); }
+      try {
+        parsed = JSON.parse(l);
+      } catch (e) {
+        throw new Error(`sft.data: ${file}:${i + 1}: ${(e as Error).message}`);
+      }
       return checkDemonstration(parsed, `sft.data: ${file}:${i + 1}`);
     };
   } else {
     const fn = runner.demonstration;
     if (typeof fn !== 'function') {
-      throw new Error(`recipe ${config.name}: no sft.data file and agent module ${agentPath} has no demonstration(index, settings)`);
+      throw new Error(`recipe ${config.name}: no sft.data file, and agent module ${agentPath} `
+        + 'has no demonstration(index, settings)');
     }
     demo = async (index) => checkDemonstration(await fn(index, config.env), `${agentPath}: demonstration(${index})`);
   }

@@ -31,7 +31,8 @@ async function followBar<P extends { step: number; totalSteps: number }>(handle:
       if (status.name !== 'RUNNING') break;
       const p = await query().catch(() => null); // e.g. no worker yet
       if (p) {
-        if (!started) { bar.start(p.totalSteps, p.step, payload(p)); started = true; } else bar.update(p.step, payload(p));
+        if (started) bar.update(p.step, payload(p));
+        else { bar.start(p.totalSteps, p.step, payload(p)); started = true; }
       }
       await new Promise((r) => setTimeout(r, 1000));
     }
@@ -41,7 +42,8 @@ async function followBar<P extends { step: number; totalSteps: number }>(handle:
 }
 
 // ETA from the run's own pace: elapsed / steps done * steps left.
-const eta = (elapsed: number, step: number, total: number) => (step > 0 ? formatSeconds((elapsed / step) * (total - step)) : '?');
+const eta = (elapsed: number, step: number, total: number) =>
+  (step > 0 ? formatSeconds((elapsed / step) * (total - step)) : '?');
 
 function barPayload(p: Progress) {
   return {
