@@ -60,7 +60,7 @@ const se = (p: number, n: number) => Math.sqrt((p * (1 - p)) / n);
 
 // The held-out exact-answer rate of the weights in `dir`, on the stack's engine: the prompts of evaluate's
 // held-out groups, EVAL_CONCURRENCY episodes at a time (all at once, one engine on loaded cores answered a
-// request after more than its deadline); an episode the engine fails is run again.
+// request after more than its deadline); an episode the engine fails is run again, through a fresh router.
 const EVAL_CONCURRENCY = 16;
 async function heldOut(stack: Stack, recipeDir: string, config: RecipeConfig, dir: string, version: number): Promise<Held> {
   await Promise.all(stack.engines.map((e) => callService(e, '/weights/load', stack.token, { body: { path: dir, version } })));
@@ -68,7 +68,7 @@ async function heldOut(stack: Stack, recipeDir: string, config: RecipeConfig, di
   const sampled = { ...config, env: { ...config.env, format_penalty: 0 } };
   const greedy = { ...sampled, sampling: { ...sampled.sampling, temperature: 0 } };
   const { modulePath, runner } = await loadRecipeAgent(recipeDir, config);
-  const router = new EngineRouter(stack.engines, stack.token);
+  let router = new EngineRouter(stack.engines, stack.token);
   const n = Number(opts.eval);
   const jobs = Array.from({ length: n }, (_, i) => [greedy, sampled].map((c, k) => ({ c, i, k }))).flat();
   const rewards: number[][] = [[], []];
@@ -87,6 +87,9 @@ async function heldOut(stack: Stack, recipeDir: string, config: RecipeConfig, di
           // did not answer in time: again
           if (e instanceof AgentError || (e instanceof ServiceError && e.status === 400)) { rewards[job.k].push(0); break; }
           if (attempt >= 2) throw e;
+          // a router takes an engine that timed out out of rotation: a fresh one, after a pause, tries it again
+          await new Promise((r) => setTimeout(r, 5000));
+          router = new EngineRouter(stack.engines, stack.token);
         } finally {
           router.endSession(session);
         }
