@@ -14,7 +14,7 @@ import { ChatTemplate } from '../agents/chat-template';
 import { checkEnv, loadAgentRunner, type ChatAgentRunner, type EnvAgentRunner, type GroupTask } from '../agents/contract';
 import { AgentError, deriveSeed, runEnvEpisode } from '../agents/env-runner';
 import { LoopbackServer } from '../agents/loopback';
-import { resolveModelDir, type RecipeConfig } from '../agents/recipe';
+import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
 import { tokenizerFor } from '../agents/tokenizer';
 import { EpisodeJournal, journalKey, readJournal } from './episode-journal';
@@ -62,6 +62,22 @@ export function episodeRunner(runner: EnvAgentRunner | ChatAgentRunner, modulePa
 // The env failed, or the engine refused this episode's request (e.g. a prompt too long for it): the
 // episode fails, not the activity.
 const episodeFailed = (e: unknown) => e instanceof AgentError || (e instanceof ServiceError && e.status === 400);
+
+// A failed episode's error names the recipe, the file (and line) where the recipe's own code threw
+// (the first stack frame outside the framework in the causes the AgentError wraps; else the module)
+// and the episode: "recipe math (recipes/math/problems.ts:57), group 3 episode 1: env step threw: ...".
+const FRAMEWORK_DIRS = ['agents', 'activities', 'workflows', 'client', 'infra'].map((d) => path.join(REPO_ROOT, d) + path.sep);
+const ownFrame = (file: string) => !file.includes(`${path.sep}node_modules${path.sep}`) && !FRAMEWORK_DIRS.some((d) => file.startsWith(d));
+export function episodeFailure(e: Error, recipe: string, modulePath: string, groupIndex: number, episode: number): string {
+  let where = modulePath;
+  for (let c: unknown = e.cause; c instanceof Error && where === modulePath; c = c.cause) {
+    const frames = (c.stack ?? '').matchAll(/^\s+at (?:.* \()?(\/[^():\s]+):(\d+):\d+\)?$/gm); // "at f (/file:1:2)", "at /file:1:2"
+    const own = [...frames].find((m) => ownFrame(m[1]));
+    if (own) where = `${own[1]}:${own[2]}`;
+  }
+  const shown = where.startsWith(REPO_ROOT + path.sep) ? path.relative(REPO_ROOT, where) : where;
+  return `recipe ${recipe} (${shown}), group ${groupIndex} episode ${episode}: ${e.message}`;
+}
 
 export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput): Promise<GroupResult> {
   const started = Date.now();
@@ -121,8 +137,9 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   outcomes.forEach((o, i) => {
     if (o.status === 'fulfilled') return;
     if (episodeFailed(o.reason)) {
-      manifest.failed[todo[i]] = o.reason.message.slice(0, 500); // the manifest stays small; the log has it all
-      ctx.log.warn('episode failed', { groupIndex, episode: todo[i], error: o.reason.message });
+      const message = episodeFailure(o.reason, config.name, modulePath, groupIndex, todo[i]);
+      manifest.failed[todo[i]] = message.slice(0, 500); // the manifest stays small; the log has it all
+      ctx.log.warn('episode failed', { groupIndex, episode: todo[i], error: message });
     } else {
       fatal ??= o.reason;
     }
@@ -136,7 +153,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     const first = Object.entries(manifest.failed)[0];
     throw ApplicationFailure.nonRetryable(
       `group ${groupIndex}: ${failed} of ${config.group_size} episodes failed, over the failure budget ` +
-      `rollout.max_failed_fraction=${config.rollout.max_failed_fraction}; episode ${first[0]}: ${first[1]}`,
+      `rollout.max_failed_fraction=${config.rollout.max_failed_fraction}; ${first[1]}`,
       'FailureBudgetExceeded');
   }
 
@@ -201,7 +218,7 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
   if (!templates.has(modelDir)) templates.set(modelDir, ChatTemplate.load(modelDir));
   const template = templates.get(modelDir)!;
   const agentError = (what: string, e: unknown) =>
-    new AgentError(`chat agent ${modulePath}: ${what}: ${(e as Error)?.message ?? e}`, { cause: e });
+    new AgentError(`chat agent ${what}: ${(e as Error)?.message ?? e}`, { cause: e });
   // Every episode of the group starts from the same prompt: ask for it once.
   let prompt: Promise<ChatPrompt> | undefined;
 

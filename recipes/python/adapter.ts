@@ -15,6 +15,18 @@ const pythonEnvVars = () => ({
 });
 const tail = (text: string) => text.trim().split('\n').slice(-12).join('\n');
 
+const shown = (file: string) => (file.startsWith(REPO_ROOT + path.sep) ? path.relative(REPO_ROOT, file) : file);
+
+// An error from the Python side: the innermost frame of its traceback (the file and line that raised)
+// right after the message, the traceback below; no JS stack (the adapter's frames would name the wrong file).
+function pythonError(message: string, traceback = ''): Error {
+  const frames = [...traceback.matchAll(/File "([^"]+)", line (\d+), in (\S+)/g)];
+  const at = frames.length ? ` (${shown(frames[frames.length - 1][1])}:${frames[frames.length - 1][2]}, in ${frames[frames.length - 1][3]})` : '';
+  const e = new Error(`${message}${at}${traceback ? `\n${tail(traceback)}` : ''}`);
+  e.stack = `Error: ${e.message}`;
+  return e;
+}
+
 // A ChatAgent program (molt_agent.chat_agent) started once per worker process with `serve`: it forks a
 // child per call, so the imports (openai: a second of CPU) are paid once, not per episode. Calls go
 // as JSON lines {id, call, request}; replies {id, result} or {id, error, traceback} come in any order.
@@ -49,7 +61,7 @@ class PythonServer {
         this.pending.delete(reply.id);
         if (!this.pending.size) child.unref();
         if (typeof reply.error === 'string') {
-          waiting.reject(new Error(`python ${this.file}: ${waiting.call}(): ${reply.error}\n${tail(String(reply.traceback ?? ''))}`));
+          waiting.reject(pythonError(`python ${shown(this.file)}: ${waiting.call}(): ${reply.error}`, String(reply.traceback ?? '')));
         } else {
           waiting.resolve(reply.result);
         }
@@ -58,7 +70,7 @@ class PythonServer {
     child.stderr.on('data', (d) => (this.stderr = (this.stderr + d).slice(-20_000)));
     const gone = (why: string) => {
       if (this.child === child) this.child = undefined; // the next call starts a new one
-      for (const { reject } of this.pending.values()) reject(new Error(`python ${this.file} ${why}:\n${tail(this.stderr)}`));
+      for (const { reject } of this.pending.values()) reject(pythonError(`python ${shown(this.file)} ${why}: ${tail(this.stderr)}`));
       this.pending.clear();
     };
     child.on('error', (e) => gone(`could not start: ${e.message}`));
@@ -125,7 +137,7 @@ class LineEnv implements Env {
     child.stderr.on('data', (d) => (this.stderr = (this.stderr + d).slice(-20_000)));
     const gone = (why: string) => {
       this.exit ??= why;
-      this.waiting?.reject(new Error(`python env ${this.file} ${why}:\n${tail(this.stderr)}`));
+      this.waiting?.reject(pythonError(`python env ${shown(this.file)} ${why}: ${tail(this.stderr)}`));
       this.waiting = undefined;
     };
     child.on('error', (e) => gone(`could not start: ${e.message}`));
@@ -147,7 +159,7 @@ class LineEnv implements Env {
 
   private async call(request: { method: string } & Record<string, unknown>): Promise<Record<string, unknown>> {
     this.child ??= this.start();
-    if (this.exit) throw new Error(`python env ${this.file} ${this.exit}:\n${tail(this.stderr)}`);
+    if (this.exit) throw pythonError(`python env ${shown(this.file)} ${this.exit}: ${tail(this.stderr)}`);
     const line = await new Promise<string>((resolve, reject) => {
       this.waiting = { resolve, reject };
       this.child!.stdin.write(`${JSON.stringify(request)}\n`);
@@ -157,10 +169,10 @@ class LineEnv implements Env {
     try {
       reply = JSON.parse(line);
     } catch {
-      throw new Error(`python env ${this.file}: ${request.method}: the reply is not JSON: ${JSON.stringify(line.slice(0, 200))}`);
+      throw pythonError(`python env ${shown(this.file)}: ${request.method}: the reply is not JSON: ${JSON.stringify(line.slice(0, 200))}`);
     }
     if (typeof reply.error === 'string') {
-      throw new Error(`python env ${this.file}: ${request.method}: ${reply.error}\n${tail(String(reply.traceback ?? ''))}`);
+      throw pythonError(`python env ${shown(this.file)}: ${request.method}(): ${reply.error}`, String(reply.traceback ?? ''));
     }
     return reply;
   }

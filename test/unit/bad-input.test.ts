@@ -61,7 +61,7 @@ test('failed episodes within the failure budget: the group goes on; over it: the
   await expect(run('budget-over', config('echo-agent.ts', { env: { failEpisode: 1, turns: 1 }, rollout: { max_failed_fraction: 0.4 } })))
     .rejects.toMatchObject({
       name: 'ApplicationFailure', nonRetryable: true, type: 'FailureBudgetExceeded',
-      message: expect.stringMatching(/group 0: 1 of 2 episodes failed, over the failure budget rollout\.max_failed_fraction=0\.4; episode 1: env step threw: episode 1 fails on purpose/),
+      message: expect.stringMatching(/group 0: 1 of 2 episodes failed, over the failure budget rollout\.max_failed_fraction=0\.4; recipe bad \(test\/unit\/fixtures\/echo-agent\.ts:16\), group 0 episode 1: env step threw: episode 1 fails on purpose/),
     });
 });
 
@@ -90,7 +90,7 @@ test('a trajectory over the context budget: its episode fails with the reason, t
   // but not the model (1024 positions), so the engine refuses it (400).
   const { result, failed } = await run('context', config('sized-agent.ts', { group_size: 3, max_context: 2000, env: { sizes: [5, 2500, 1100] }, rollout: { max_failed_fraction: 1 } }));
   expect(result).toMatchObject({ failed: 2, rewards: [1] });
-  expect(failed[1]).toBe('the first observation is 2500 tokens, max_context is 2000');
+  expect(failed[1]).toBe('recipe bad (test/unit/fixtures/sized-agent.ts), group 0 episode 1: the first observation is 2500 tokens, max_context is 2000');
   expect(failed[2]).toMatch(/HTTP 400: .*1100/);
   expect(readTrajectory(path.join(root, 'store'), result.refs[0]).trajectory.tokens).toHaveLength(5 + 3);
 });

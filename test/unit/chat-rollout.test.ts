@@ -175,7 +175,8 @@ describe('ChatAgent failures', () => {
     expect(result.failed).toBe(1);
     expect(result.rewards).toEqual([0.5, 0.5]);
     const failed = Object.values(beats[beats.length - 1].failed);
-    expect(failed).toEqual([`chat agent ${path.join(FIXTURES, 'chat-fixture-agent.ts')}: run() failed: the first run fails on purpose`]);
+    expect(failed).toEqual([expect.stringMatching(new RegExp(`^recipe copy-chat \\(test/unit/fixtures/chat-fixture-agent\\.ts:16\\), group ${GROUP} episode \\d: ` +
+      'chat agent run\\(\\) failed: the first run fails on purpose$'))]);
   });
 
   test('an agent that never calls the policy, or gives no prompt messages, fails its episodes with the reason', async () => {

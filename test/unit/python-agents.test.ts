@@ -184,10 +184,10 @@ describe('Python agents through rolloutGroup, a real engine process', () => {
   test('a Python env that raises or exits mid-episode fails that episode, with the Python error', async () => {
     const raised = await run('pyraise', 'math-py', { agent: 'py-env-agent.ts', 'env.mode': 'raise', 'rollout.max_failed_fraction': '1' }, FIXTURES);
     expect([raised.result.failed, raised.result.rewards]).toEqual([1, [2, 2]]);
-    expect(raised.failed[1]).toContain('ValueError: episode 1 fails on purpose');
-    expect(raised.failed[1]).toMatch(/py-env\.py", line \d+, in step/);
+    expect(raised.failed[1].split('\n')[0]).toBe('recipe math-py (test/unit/fixtures/py-env-agent.ts), group 1 episode 1: env step threw: ' +
+      `python env test/unit/fixtures/py-env.py: step(): ValueError: episode 1 fails on purpose (test/unit/fixtures/py-env.py:21, in step)`);
     const exited = await run('pyexit', 'math-py', { agent: 'py-env-agent.ts', 'env.mode': 'exit', 'rollout.max_failed_fraction': '1' }, FIXTURES);
     expect([exited.result.failed, exited.result.rewards]).toEqual([1, [2, 2]]);
-    expect(exited.failed[1]).toMatch(/py-env\.py exited with 3/);
+    expect(exited.failed[1]).toMatch(/^recipe math-py \(test\/unit\/fixtures\/py-env-agent\.ts\), group 1 episode 1: env step threw: python env test\/unit\/fixtures\/py-env\.py exited with 3: /);
   });
 });
