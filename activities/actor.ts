@@ -21,7 +21,7 @@ import { ApplicationFailure, Context } from '@temporalio/activity';
 import { sftExamples } from '../agents/sft-data';
 import type { AlgoConfig } from '../agents/recipe';
 import {
-  callService, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type SftExample,
+  callService, ServiceError, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type SftExample,
   type SftStepRequest, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
 import { collectGarbage } from './run-folder';
@@ -165,22 +165,39 @@ async function resumeEngines(engines: string[], token: string): Promise<void> {
   if (failed.length) throw new Error(`refit: resuming failed: ${failed.join('; ')}`);
 }
 
+// The engines that answer /health, with their health. One that does not (killed, its host gone, hung)
+// is `missed`: a dead engine must not stall the run; the router keeps it out of rotation and a later
+// refit brings it back. With none answering there is nothing to refit: an error, retried.
+async function reachable(engines: string[], token: string): Promise<{ live: [string, EngineHealth][]; missed: string[] }> {
+  const health = await Promise.allSettled(engines.map((e) =>
+    callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth', timeoutMs: CONTROL_TIMEOUT_MS })));
+  const live: [string, EngineHealth][] = [];
+  const missed: string[] = [];
+  for (const [i, h] of health.entries()) {
+    if (h.status === 'fulfilled') live.push([engines[i], h.value]);
+    else if (h.reason instanceof ServiceError && (h.reason.status ?? 500) >= 500) missed.push(engines[i]);
+    else throw h.reason; // e.g. a wrong token: the same on every retry
+  }
+  if (live.length === 0) throw new Error(`no engine answers /health: ${engines.join(', ')}`);
+  if (missed.length) Context.current().log.warn('engines do not answer; refit goes on without them', { missed });
+  return { live, missed };
+}
+
 // Pushes the actor's weights of step `version` to every engine not at that version (a restarted
-// engine comes back at version 0 and rejoins here; engines already there keep serving). An engine
-// found paused is resumed whatever else happens: an earlier attempt may have pushed the weights
-// and then failed to resume it (a connection reset on /resume), and nothing else would.
+// engine comes back at version 0 and rejoins here; engines already there keep serving), or to every
+// one when they join the run. An engine found paused is resumed whatever else happens: an earlier
+// attempt may have pushed the weights and then failed to resume it (a connection reset on /resume).
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
   const { token } = endpoints;
-  const health = await Promise.all(endpoints.engines.map((e) =>
-    callService<EngineHealth>(e, '/health', token, { response: 'EngineHealth', timeoutMs: CONTROL_TIMEOUT_MS })));
-  const engines = endpoints.engines.filter((_, i) => health[i].version !== input.version);
-  const paused = endpoints.engines.filter((e, i) => health[i].paused && !engines.includes(e));
+  const { live, missed } = await reachable(input.engines ?? endpoints.engines, token);
+  const engines = live.filter(([, h]) => input.join || h.version !== input.version).map(([e]) => e);
+  const paused = live.filter(([e, h]) => h.paused && !engines.includes(e)).map(([e]) => e);
   if (engines.length === 0) {
     await resumeEngines(paused, token);
     Context.current().log.info('refit: engines already at version', { version: input.version, resumed: paused.length });
-    return { version: input.version, seconds: 0, bytes: 0 }; // a retry after a completed push
+    return { version: input.version, seconds: 0, bytes: 0, ...(missed.length ? { missed } : {}) }; // a retry after a completed push
   }
-  return pushWeights(endpoints, input.runId, input.version, engines, paused);
+  return { ...await pushWeights(endpoints, input.runId, input.version, engines, paused), ...(missed.length ? { missed } : {}) };
 }
 
 // Pushes the weights of step `version` of the run to `engines`, and resumes them and `paused`.
@@ -250,9 +267,11 @@ export async function claimActor(endpoints: ServiceEndpoints, input: ClaimInput)
   }
   if (init !== undefined) await writeFileAtomic(initFile, init);
   // Every engine, whatever version it says: a version number of another run names other weights.
-  await pushWeights(endpoints, input.runId, input.step, endpoints.engines);
+  const engines = input.engines ?? endpoints.engines;
+  const { live } = await reachable(engines, endpoints.token);
+  await pushWeights(endpoints, input.runId, input.step, live.map(([e]) => e));
   Context.current().log.info('run holds the actor and the engines', { runId: input.runId, step: input.step, after: holder || null });
-  return { heldBy: null };
+  return { heldBy: null, engines };
 }
 
 // The latest checkpoint of the newest earlier firing of schedule `scheduleId` that has one. A firing's

@@ -83,6 +83,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
   const started = Date.now();
   const ctx = Context.current();
   const { runId, groupIndex, config } = input;
+  const engines = input.engines ?? endpoints.engines; // the run's engines when the group started
   const { modulePath, runner } = await loadRecipeAgent(input.recipeDir, config);
 
   const previous = ctx.info.heartbeatDetails as RolloutManifest | undefined;
@@ -105,7 +106,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     });
     try {
       const result = await runAgentEpisode(episode, (body, onToken) =>
-        journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk), onToken));
+        journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk, engines), onToken));
       if (journal.stats.replayedCalls || journal.stats.resumedTokens) {
         ctx.log.info('episode resumed from its journal', { groupIndex, episode, ...journal.stats });
       }

@@ -8,6 +8,7 @@ export interface RolloutGroupInput {
   groupIndex: number; // the prompt group: all G episodes of a group get the same task
   recipeDir: string; // absolute path of the recipe folder (its agent module is loaded from there)
   config: RecipeConfig; // resolved config
+  engines?: string[]; // the engines the run had when the group started (default: the worker's)
 }
 
 export interface GroupResult {
@@ -33,13 +34,18 @@ export interface TrainStepResult { step: number; version: number; replayed: bool
 // An SFT step (workflows/sft-run.ts): the activity tokenizes the recipe's demonstrations itself.
 export interface SftStepInput { runId: string; step: number; recipeDir: string; config: RecipeConfig }
 
-export interface RefitInput { runId: string; version: number }
-export interface RefitResult { version: number; seconds: number; bytes: number }
+// engines: the run's engines (default: the worker's). join: push to all of them whatever version they
+// report (an engine joining a run may hold another run's weights under the same version number).
+export interface RefitInput { runId: string; version: number; engines?: string[]; join?: boolean }
+// missed: engines that did not answer (killed, or hung) and got no weights; they rejoin at a later refit.
+export interface RefitResult { version: number; seconds: number; bytes: number; missed?: string[] }
 
 // A run claims the actor and the engines at its current step (activities/actor.ts, claimActor).
-// init: the recipe's `init` dir; lineage: a schedule id whose previous firing's latest checkpoint the run starts from
-export interface ClaimInput { runId: string; step: number; init?: string; lineage?: string }
-export interface ClaimResult { heldBy: string | null } // null: claimed; else the run that holds them
+// init: the recipe's `init` dir; lineage: a schedule id whose previous firing's latest checkpoint the run
+// starts from; engines: the run's, once it has some (default: the worker's).
+export interface ClaimInput { runId: string; step: number; init?: string; lineage?: string; engines?: string[] }
+// heldBy null: claimed, and `engines` are the run's engines; else the run that holds them.
+export interface ClaimResult { heldBy: string | null; engines?: string[] }
 
 export interface ResumePoint { step: number; nextGroupIndex: number; checkpoint: { step: number; path: string } | null }
 

@@ -14,6 +14,9 @@
 // and takes traffic again once it answers /health at a weight version no older than the other
 // live engines' — a restarted engine comes back at version 0 and must first be refit (the refit
 // activity pushes to every engine not at the run's version), or its tokens would be stale.
+//
+// A run's engines change while it runs (`molt-client engines add|drain`): each call may name the
+// engines it may use (a prompt group's, fixed when the group started); the default is the worker's.
 import {
   callService, ServiceError, streamGenerate, type EngineHealth, type GenerateChunk, type GenerateRequest, type GenerateResponse,
 } from '../activities/gpu-client';
@@ -32,7 +35,7 @@ export const defaultDeadline = (): Deadline => ({
 });
 
 export class EngineRouter {
-  private readonly inflight: Map<string, number>;
+  private readonly inflight = new Map<string, number>(); // engine -> requests in flight (every engine seen)
   private readonly affinity = new Map<string, string>(); // session -> engine URL
   private readonly down = new Map<string, number>(); // engine out of rotation -> time of its last probe (ms)
   private probing: Promise<void> | null = null;
@@ -41,12 +44,12 @@ export class EngineRouter {
     readonly engines: string[], private readonly token: string, readonly deadline: Deadline = defaultDeadline(),
   ) {
     if (engines.length === 0) throw new Error('EngineRouter: no engine URLs given');
-    this.inflight = new Map(engines.map((e) => [e, 0]));
+    for (const e of engines) this.inflight.set(e, 0);
   }
 
-  private leastLoaded(exclude: Set<string>): string | undefined {
+  private leastLoaded(exclude: Set<string>, pool: string[]): string | undefined {
     let best: string | undefined;
-    for (const e of this.engines) {
+    for (const e of pool) {
       if (!exclude.has(e) && !this.down.has(e) && (best === undefined || this.inflight.get(e)! < this.inflight.get(best)!)) best = e;
     }
     return best;
@@ -63,7 +66,7 @@ export class EngineRouter {
       const health = async (e: string) =>
         callService<EngineHealth>(e, '/health', this.token, { response: 'EngineHealth', timeoutMs: PROBE_TIMEOUT_MS })
           .catch(() => null);
-      const live = await Promise.all(this.engines.filter((e) => !this.down.has(e)).map(health));
+      const live = await Promise.all([...this.inflight.keys()].filter((e) => !this.down.has(e)).map(health));
       const newest = Math.max(0, ...live.flatMap((h) => (h ? [h.version] : [])));
       await Promise.all(due.map(async (e) => {
         const h = await health(e);
@@ -76,16 +79,20 @@ export class EngineRouter {
   // With onChunk the reply is streamed (gpu-client streamGenerate); a failure after the first chunk is
   // not retried here: the caller has the tokens so far and continues from them.
   async generate(session: string, body: GenerateRequest, signal?: AbortSignal,
-    onChunk?: (chunk: GenerateChunk) => boolean): Promise<GenerateResponse> {
+    onChunk?: (chunk: GenerateChunk) => boolean, pool = this.engines): Promise<GenerateResponse> {
+    for (const e of pool) if (!this.inflight.has(e)) this.inflight.set(e, 0);
     const probe = this.probeDown();
-    if (this.down.size === this.engines.length) await probe; // nothing to route to before it
+    if (pool.every((e) => this.down.has(e))) await probe; // nothing to route to before it
     const tried = new Set<string>();
     const pinned = this.affinity.get(session);
-    let engine = pinned !== undefined && !this.down.has(pinned) ? pinned : this.leastLoaded(tried);
-    if (engine === undefined) throw new ServiceError(`no engine in rotation: ${this.engines.join(', ')} all failed and have not rejoined`);
+    let engine = pinned !== undefined && pool.includes(pinned) && !this.down.has(pinned) ? pinned : this.leastLoaded(tried, pool);
+    if (engine === undefined) throw new ServiceError(`no engine in rotation: ${pool.join(', ')} all failed and have not rejoined`);
     for (;;) {
       const current = engine;
       tried.add(current);
+      const before = this.affinity.get(session);
+      // A session that leaves its engine (failed, hung, gone) goes on elsewhere from its accumulated ids.
+      if (before !== undefined && before !== current) console.warn(`router: session ${session} moved from ${before} to ${current}`);
       this.affinity.set(session, current);
       this.inflight.set(current, this.inflight.get(current)! + 1);
       let streamed = false;
@@ -101,7 +108,7 @@ export class EngineRouter {
       } catch (e) {
         const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
         if (retryable && !signal?.aborted) this.down.set(current, Date.now());
-        const next = retryable && !streamed ? this.leastLoaded(tried) : undefined;
+        const next = retryable && !streamed ? this.leastLoaded(tried, pool) : undefined;
         if (next === undefined) throw e;
         engine = next;
       } finally {

@@ -13,7 +13,8 @@ import { Command, CommanderError } from 'commander';
 import { loadAgentRunner } from '../agents/contract';
 import { loadRecipe, RecipeError, type RecipeConfig } from '../agents/recipe';
 import {
-  checkpointUpdate, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type Settings,
+  addEngineUpdate, checkEngineUrl, checkpointUpdate, drainEngineUpdate, enginesQuery, pauseUpdate, resumeUpdate, setUpdate,
+  validateSettings, type ControlState, type Settings,
 } from '../workflows/control';
 import { sftRun } from '../workflows/sft-run';
 import {
@@ -54,7 +55,7 @@ async function startRun(temporal: Temporal, recipeDir: string, config: RecipeCon
   let handle: WorkflowHandle<typeof trainRun>;
   try {
     handle = await temporal.client.workflow.start(trainRun, {
-      workflowId, ...runStartOptions(recipeDir, config, runId, await hasSearchAttributes(temporal.connection)),
+      workflowId, ...runStartOptions(recipeDir, config, runId, await hasSearchAttributes(temporal.connection, temporal.client.options.namespace)),
       workflowIdReusePolicy: 'REJECT_DUPLICATE', // a run id names its store directory and its steps at the actor
     });
   } catch (err) {
@@ -64,7 +65,7 @@ async function startRun(temporal: Temporal, recipeDir: string, config: RecipeCon
     throw err;
   }
   console.log(`run ${runId} started (workflow ${workflowId})`);
-  console.log(`Temporal UI: ${temporal.uiUrl}/namespaces/default/workflows/${workflowId}`);
+  console.log(`Temporal UI: ${temporal.uiUrl}/namespaces/${temporal.client.options.namespace}/workflows/${workflowId}`);
   if (!followRun) return;
   await follow(handle);
   console.log(describeSummary(await runResult(handle)));
@@ -186,7 +187,8 @@ const withOverrides = (command: Command) => { takesOverrides.add(command); retur
 const program = new Command('molt-client')
   .description('Train LLM agents with RL on Temporal: start, follow, inspect and steer runs.')
   .addHelpText('after', `
-Environment: MOLT_TEMPORAL_ADDRESS (default localhost:7233), MOLT_TEMPORAL_UI (default http://localhost:8233).
+Environment: Temporal's own (TEMPORAL_ADDRESS, default localhost:7233; TEMPORAL_NAMESPACE; TEMPORAL_API_KEY;
+TEMPORAL_TLS_*; TOML profiles in TEMPORAL_CONFIG_FILE, TEMPORAL_PROFILE), MOLT_TEMPORAL_UI (default http://localhost:8233).
 Run \`molt-client <command> --help\` for a command's options; \`start --help\` lists every recipe key.`)
   .showHelpAfterError('(run with --help for usage)')
   .exitOverride(); // inherited by the commands below: parse errors reach main, which exits 2
@@ -194,7 +196,7 @@ Run \`molt-client <command> --help\` for a command's options; \`start --help\` l
 for (const name of ['start', 'dev'] as const) {
   withOverrides(program.command(name))
     .description(name === 'start'
-      ? 'start a run of a recipe on the Temporal server (MOLT_TEMPORAL_ADDRESS)'
+      ? 'start a run of a recipe on the Temporal server (TEMPORAL_ADDRESS or a profile)'
       : 'start a local stack (Temporal dev server + UI, engines, actor, workers), run the recipe to its end, '
         + 'stop the stack')
     .argument('<recipeDir>', 'folder with recipe.json and its agent module')
@@ -329,6 +331,26 @@ program.command('checkpoint')
   .action(async (runId: string) => {
     const saved = await control(runId, (h) => h.executeUpdate(checkpointUpdate));
     console.log(`run ${runId}: checkpoint of step ${saved.step} at ${saved.path}`);
+  });
+
+// Engines join and leave a running run. `add` answers once the engine holds the run's weights and
+// takes groups; `drain` once the groups that could use it have finished (it gets no weights after).
+const engines = program.command('engines').description('the engines of a running run: list, add, drain');
+engines.command('list').argument('<runId>').action(async (runId: string) => {
+  const s = await control(runId, (h) => h.query(enginesQuery));
+  for (const [state, urls] of [['serving', s.serving], ['draining', s.draining]] as const) for (const url of urls) console.log(`${url}\t${state}`);
+  console.log(`run ${runId}: ${s.serving.length} serving, ${s.draining.length} draining, policy version ${s.version}`);
+});
+engines.command('add').description('the engine gets the current weights, then takes new groups').argument('<runId>').argument('<url>')
+  .action(async (runId: string, url: string) => {
+    try { checkEngineUrl(url); } catch (err) { throw new UsageError((err as Error).message); }
+    const r = await control(runId, (h) => h.executeUpdate(addEngineUpdate, { args: [url] }));
+    console.log(`run ${runId}: engine ${url} serves from version ${r.version} (joined in ${r.seconds.toFixed(1)} s)`);
+  });
+engines.command('drain').description('no new groups for the engine; returns when its groups have finished').argument('<runId>').argument('<url>')
+  .action(async (runId: string, url: string) => {
+    const r = await control(runId, (h) => h.executeUpdate(drainEngineUpdate, { args: [url] }));
+    console.log(`run ${runId}: engine ${url} left at version ${r.version} after ${r.seconds.toFixed(1)} s (${r.groups} groups finished on it)`);
   });
 
 program.command('plot')

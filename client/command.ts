@@ -1,6 +1,7 @@
 // What molt-client's commands share: the Temporal connection, the dotted recipe overrides, and the
 // recipe keys' help generated from the zod schema.
 import { Client, Connection } from '@temporalio/client';
+import { temporalConfig } from '../infra/temporal-config';
 import { z } from 'zod';
 import { LIVE_SETTINGS } from '../agents/live-settings';
 import { RecipeConfig } from '../agents/recipe';
@@ -8,15 +9,15 @@ import { UsageError } from './errors';
 
 export interface Temporal { client: Client; connection: Connection; uiUrl: string }
 
-export async function connect(
-  address = process.env.MOLT_TEMPORAL_ADDRESS ?? 'localhost:7233',
-  uiUrl = process.env.MOLT_TEMPORAL_UI ?? 'http://localhost:8233',
-): Promise<Temporal> {
+// A local stack passes its address; otherwise Temporal's environment configuration says where
+// (infra/temporal-config.ts: TEMPORAL_ADDRESS, TEMPORAL_NAMESPACE, TLS, API key, TOML profiles).
+export async function connect(address?: string, uiUrl = process.env.MOLT_TEMPORAL_UI ?? 'http://localhost:8233'): Promise<Temporal> {
+  const { connectionOptions, namespace } = address ? { connectionOptions: { address }, namespace: 'default' } : temporalConfig();
   try {
-    const connection = await Connection.connect({ address });
-    return { client: new Client({ connection }), connection, uiUrl };
+    const connection = await Connection.connect(connectionOptions);
+    return { client: new Client({ connection, namespace }), connection, uiUrl };
   } catch (err) {
-    throw new Error(`cannot reach Temporal at ${address} (set MOLT_TEMPORAL_ADDRESS): ${(err as Error).message}`);
+    throw new Error(`cannot reach Temporal at ${connectionOptions.address} (set TEMPORAL_ADDRESS or a profile): ${(err as Error).message}`);
   }
 }
 

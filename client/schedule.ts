@@ -41,7 +41,7 @@ export function addScheduleCommands(program: Command, { overrides, withOverrides
       const spec: ScheduleSpec = cron !== undefined
         ? { cronExpressions: [cron] } : { intervals: [{ every: every as never }] };
       const { client, connection } = await connect();
-      const start = runStartOptions(recipeDir, config, undefined, await hasSearchAttributes(connection));
+      const start = runStartOptions(recipeDir, config, undefined, await hasSearchAttributes(connection, client.options.namespace));
       if (continueFromSchedule) start.args[0].lineage = id;
       try {
         await client.schedule.create({

@@ -62,7 +62,7 @@ export function addStackCommands(program: Command): void {
     .argument('<runId>')
     .action(async (runId: string) => {
       const temporal = await connect();
-      await resumeRun(temporal.client, runId, await hasSearchAttributes(temporal.connection));
+      await resumeRun(temporal.client, runId, await hasSearchAttributes(temporal.connection, temporal.client.options.namespace));
     });
 }
 

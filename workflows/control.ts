@@ -1,6 +1,6 @@
 // Live control of a run: updates (validated before they enter history) and the settings they may
 // change. A change applies from the next step and is carried across continue-as-new in the config.
-import { defineUpdate } from '@temporalio/workflow';
+import { defineQuery, defineUpdate } from '@temporalio/workflow';
 import { LIVE_SETTINGS, type LiveSetting } from '../agents/live-settings';
 import type { RecipeConfig } from '../agents/recipe';
 
@@ -16,6 +16,20 @@ export const setUpdate = defineUpdate<ControlState, [Settings]>('set');
 export const checkpointUpdate = defineUpdate<{ step: number; path: string }>('checkpoint');
 
 export interface ControlState { paused: boolean; settings: Record<LiveSetting, number> }
+
+// The run's engines (`molt-client engines add|drain|list`, train-run.ts). add: the engine gets the
+// run's current weights, then new groups may use it; drain: new groups no longer do, and the update
+// returns once the groups that could (`groups`) have finished. Either answers when it is done.
+export const addEngineUpdate = defineUpdate<EngineChange, [string]>('addEngine');
+export const drainEngineUpdate = defineUpdate<EngineChange, [string]>('drainEngine');
+export const enginesQuery = defineQuery<{ serving: string[]; draining: string[]; version: number }>('engines');
+export interface EngineChange { url: string; version: number; seconds: number; groups?: number }
+
+export function checkEngineUrl(url: unknown): void {
+  if (typeof url !== 'string' || !/^https?:\/\/[^/\s]+\/?$/.test(url)) {
+    throw new Error(`engine URL ${JSON.stringify(url)}: expected http://host:port`);
+  }
+}
 
 // Throws (rejecting the update, which then never reaches history) with a message naming the
 // setting. molt-client checks with it too before it sends the update.

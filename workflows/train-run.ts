@@ -17,7 +17,8 @@ import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
 import type { RecipeConfig } from '../agents/recipe';
 import {
-  applySettings, checkpointUpdate, currentSettings, pauseUpdate, resumeUpdate, setUpdate, validateSettings, type ControlState, type LiveSetting,
+  addEngineUpdate, applySettings, checkEngineUrl, checkpointUpdate, currentSettings, drainEngineUpdate, enginesQuery, pauseUpdate,
+  resumeUpdate, setUpdate, validateSettings, type ControlState, type EngineChange, type LiveSetting,
 } from './control';
 import { evalMetrics, stepMetrics } from './step-metrics';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, stepDetails } from './visibility';
@@ -65,6 +66,7 @@ export interface Carried {
   lastStepAt: number; // epoch ms when the last step ended (for the step's time split)
   tokensAtLastStep: number; // `tokens` then
   execution?: number; // 1 for the first execution of the run, +1 at each continue-as-new
+  engines?: string[]; // the engines serving the run (engines add|drain); unset: the workers' own, until the claim
 }
 const SAMPLES_PER_STEP = 4; // decoded episodes of each step's batch in <store>/<runId>/samples.jsonl
 // When to continue as new. Not at the server's suggestion (4,096 events or 4 MB here): a step of the
@@ -126,6 +128,14 @@ const { trainStep, refit, checkpoint, claimActor, resumePoint } = proxyActivitie
   heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
 });
+// An engine joining the run (engines add) gets the current weights with this refit; one that cannot
+// be reached fails the join after a few tries instead of holding the actor.
+const { refit: joinRefit } = proxyActivities<Activities>({
+  taskQueue: TASK_QUEUES.actor,
+  startToCloseTimeout: '5 minutes',
+  heartbeatTimeout: '30 seconds',
+  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumAttempts: 3 },
+});
 // One line per step in <storeRoot>/<runId>/metrics.jsonl (idempotent per step), and the run's
 // config.json. On the control queue, beside the loop: on the actor's queue (one activity at a time)
 // they could hold up the next trainStep. A write takes milliseconds: a short timeout, so that one
@@ -156,10 +166,15 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   };
   const firstStep = run.step; // where this execution started
   const inflight = new Set<number>(); // groups started by this run whose result has not arrived
+  // Elastic engines. A group uses the engines the run had when it started; a draining engine gets no
+  // new group, keeps getting the weights while groups that may use it run, and leaves after them.
+  const groupEngines = new Map<number, string[]>(); // group in flight -> its engines
+  const drainingEngines = new Set<string>();
+  const joining = new Set<string>();
   let batchInStep: GroupResult[] = []; // the batch taken for a step, until its trainStep has written the manifest
   let state: Progress['state'] = 'running';
   let waitingFor: string | null = null; // see claim
-  let actorBusy = false; // see withActor
+  const actorTickets = { next: 0, serving: 0 }; // withActor's queue
   // The actor work (steps, checkpoints) runs in this scope: a stop that overruns its grace cancels it.
   // Made inside the non-cancellable part below, so that the run's cancel does not reach it at once.
   let actorScope!: CancellationScope;
@@ -176,11 +191,13 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const groups = new CancellationScope({ cancellable: true });
   async function runGroup(groupIndex: number): Promise<void> {
     inflight.add(groupIndex);
+    const engines = run.engines;
+    if (engines) groupEngines.set(groupIndex, engines);
     let result: GroupResult;
     try {
       result = await groups.run(() => rolloutGroup.executeWithOptions(
         { activityId: groupActivityId(groupIndex), summary: `group ${groupIndex}: ${config.group_size} episodes` },
-        [{ runId, groupIndex, recipeDir, config }]));
+        [{ runId, groupIndex, recipeDir, config, engines }]));
     } catch (err) {
       if (isCancellation(err)) return; // the run has ended
       // A group that cannot run still frees its slot: it is dropped as empty. One whose agent
@@ -195,6 +212,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       };
     }
     inflight.delete(groupIndex);
+    groupEngines.delete(groupIndex);
     if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
     run.ready.push(result);
     run.tokens += result.tokens;
@@ -223,6 +241,43 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     if (!done) throw new Error(`run is ${state}: no checkpoint saved`);
     return run.checkpoint!;
   }, { validator: () => { if (run.step === 0) throw new Error('no step trained yet: nothing to checkpoint'); } });
+  setHandler(enginesQuery, () => ({ serving: run.engines ?? [], draining: [...drainingEngines], version: run.step }));
+  setHandler(addEngineUpdate, async (url): Promise<EngineChange> => {
+    const started = Date.now();
+    joining.add(url);
+    try {
+      await condition(() => run.engines !== undefined || state !== 'running'); // the run's engines are known at its claim
+      const joined = await withActor(async () => {
+        await joinRefit.executeWithOptions({ summary: `engine ${url} joins at version ${run.step}` },
+          [{ runId, version: run.step, engines: [url], join: true }]);
+        run.engines = [...run.engines!, url]; // before the actor is free: no step's refit can miss it
+      });
+      if (!joined || !run.engines) throw ApplicationFailure.create({ message: `run is ${state}: engine ${url} did not join` });
+      return { url, version: run.step, seconds: (Date.now() - started) / 1000 };
+    } finally { joining.delete(url); }
+  }, {
+    validator: (url) => {
+      whileRunning();
+      checkEngineUrl(url);
+      if (run.engines?.includes(url) || joining.has(url) || drainingEngines.has(url)) throw new Error(`engine ${url} already serves run ${runId}`);
+    },
+  });
+  setHandler(drainEngineUpdate, async (url): Promise<EngineChange> => {
+    const started = Date.now();
+    run.engines = run.engines!.filter((e) => e !== url);
+    drainingEngines.add(url);
+    const using = () => [...groupEngines.values()].filter((engines) => engines.includes(url)).length;
+    const groupsLeft = using();
+    await condition(() => using() === 0);
+    drainingEngines.delete(url);
+    return { url, version: run.step, seconds: (Date.now() - started) / 1000, groups: groupsLeft };
+  }, {
+    validator: (url) => {
+      whileRunning();
+      if (!run.engines?.includes(url)) throw new Error(`engine ${url} does not serve run ${runId} (its engines: ${run.engines?.join(', ') ?? 'not known before the run claims them'})`);
+      if (run.engines.length === 1) throw new Error(`engine ${url} is the run's last engine: add another before draining it`);
+    },
+  });
 
   // Cancel means a graceful stop: the loop sees `stopping`, finishes the step it is in,
   // checkpoints and stops the children. Hence all the work below runs non-cancellable, except the
@@ -280,7 +335,8 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
           [{ runId, step, refs, algo }]);
         batchInStep = []; // the step's manifest names them now
         times.trained = Date.now();
-        const refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step }]);
+        const engines = run.engines && [...run.engines, ...drainingEngines];
+        const refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step, engines }]);
         times.refitted = Date.now();
         times.transferSeconds = refitted.seconds;
         run.step = step;
@@ -358,13 +414,13 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     for (let pollSeconds = 10; state === 'running'; pollSeconds = Math.min(60, pollSeconds * 2)) {
       // A run with `init` starts from those weights (actor, KL reference, engines); a directory that
       // does not fit the model fails the claim for good, and the run with it, naming the directory.
-      const { heldBy } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` },
-        [{ runId, step: run.step, init: config.init, lineage: input.lineage }]).catch((err) => {
+      const { heldBy, engines } = await claimActor.executeWithOptions({ summary: `claim the actor at step ${run.step}` },
+        [{ runId, step: run.step, init: config.init, lineage: input.lineage, engines: run.engines }]).catch((err) => {
         const cause = err instanceof ActivityFailure ? err.cause : err;
         if ((config.init ?? input.lineage) === undefined || !(cause instanceof ApplicationFailure && cause.nonRetryable)) throw err;
         throw ApplicationFailure.nonRetryable(`run ${runId}: cannot start from init ${config.init ?? `(schedule ${input.lineage})`}: ${cause.message}`, 'InitFailed');
       });
-      if (heldBy === null) break;
+      if (heldBy === null) { run.engines = engines ?? run.engines; break; }
       if (waitingFor !== heldBy) log.info('waiting for the actor', { heldBy });
       waitingFor = heldBy;
       showDetails();
@@ -439,16 +495,18 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
   // One actor call sequence at a time: a step (train, refit, checkpoint) or a requested checkpoint.
   // False when the work was cancelled because a stop overran its grace.
+  // First come, first served: the loop takes the actor again within the activation that frees it, so a
+  // waiter that only watched for it to be free (an engine joining, a checkpoint) could wait forever.
   async function withActor(work: () => Promise<void>): Promise<boolean> {
-    while (actorBusy) await condition(() => !actorBusy);
-    actorBusy = true;
+    const ticket = actorTickets.next++;
+    await condition(() => actorTickets.serving === ticket);
     try {
       await actorScope.run(work);
       return true;
     } catch (err) {
       if (actorScope.consideredCancelled && isCancellation(err)) return false;
       throw err;
-    } finally { actorBusy = false; }
+    } finally { actorTickets.serving++; }
   }
 
   function showDetails(): void {

@@ -26,9 +26,11 @@ const token = randomBytes(16).toString('hex');
 const stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-cluster-'));
 const storeRoot = path.join(stateDir, 'runs'); // one folder all hosts see, as a shared filesystem would be
 const procs = new Processes(path.join(stateDir, 'logs'));
+const clientEnv = { TEMPORAL_CONFIG_FILE: path.join(stateDir, 'temporal.toml'), TEMPORAL_PROFILE: 'cluster' };
 let hosts: Record<string, Host>;
 let temporal: string;
-let engines: string[];
+let engines: string[]; // the workers' engines
+let spare: string;
 let actor: string;
 const auth = { headers: { authorization: `Bearer ${token}` } };
 const health = async (url: string) =>
@@ -36,7 +38,7 @@ const health = async (url: string) =>
 
 beforeAll(async () => {
   cleanup(); // what a crashed run of this test left
-  const names = ['temporal', 'control', 'rollout-0', 'rollout-1', 'engine-0', 'engine-1', 'actor-0', 'actor-1'];
+  const names = ['temporal', 'control', 'rollout-0', 'rollout-1', 'engine-0', 'engine-1', 'engine-2', 'actor-0', 'actor-1'];
   hosts = Object.fromEntries(makeHosts(names).map((h) => [h.name, h]));
   const model = resolveModelDir('tiny');
   const env = { MOLT_TOKEN: token };
@@ -52,22 +54,29 @@ beforeAll(async () => {
   procs.start(hosts.temporal, 'temporal-relay', process.execPath, ['-e', `require('net').createServer((c) => {
     const s = require('net').connect(7233, '127.0.0.1'); c.pipe(s).pipe(c); c.on('error', () => s.destroy()); s.on('error', () => c.destroy());
   }).listen(7233, '${hosts.temporal.ip}')`]);
-  engines = ['engine-0', 'engine-1'].map((name) => {
+  // engine-2 serves no run at first: the elastic test adds it to a running one.
+  const all = ['engine-0', 'engine-1', 'engine-2'].map((name) => {
     procs.start(hosts[name], name, PY, ['gpu-services/engine.py', '--model', model, '--host', hosts[name].ip, '--port', '8100',
       '--name', name], env);
     return `http://${hosts[name].ip}:8100`;
   });
+  engines = all.slice(0, 2);
+  spare = all[2];
   actor = `http://${hosts['actor-0'].ip}:8200`;
   for (const [rank, name] of ['actor-0', 'actor-1'].entries()) {
     procs.start(hosts[name], name, PY, ['-m', 'torch.distributed.run', '--nnodes=2', '--nproc-per-node=1', `--node-rank=${rank}`,
       `--master-addr=${hosts['actor-0'].ip}`, '--master-port=29500', 'gpu-services/actor.py', '--model', model,
       '--host', hosts[name].ip, '--port', '8200', '--state-dir', path.join(stateDir, 'actor')], env);
   }
-  await Promise.all([...engines, actor].map((url) => waitUntil(`${url} healthy`, async () => (await health(url)).version === 0, 600_000)));
+  await Promise.all([...all, actor].map((url) => waitUntil(`${url} healthy`, async () => (await health(url)).version === 0, 600_000)));
 
-  const workerEnv = (queues: string) => ({
-    ...env, MOLT_TEMPORAL_ADDRESS: temporal, MOLT_QUEUES: queues, MOLT_ENGINES: engines.join(','), MOLT_ACTOR: actor, MOLT_STORE: storeRoot,
-  });
+  // Configured as on a real cluster: Temporal from its environment variables, the services from one
+  // placement file (the token in a file beside it), the client from a Temporal TOML profile.
+  const placement = path.join(stateDir, 'placement.json');
+  fs.writeFileSync(path.join(stateDir, 'token'), token);
+  fs.writeFileSync(placement, JSON.stringify({ engines, actor, store: 'runs', token_file: 'token' }));
+  fs.writeFileSync(clientEnv.TEMPORAL_CONFIG_FILE, `[profile.cluster]\naddress = "${temporal}"\n`);
+  const workerEnv = (queues: string) => ({ TEMPORAL_ADDRESS: temporal, MOLT_QUEUES: queues, MOLT_PLACEMENT: placement });
   procs.start(hosts.control, 'control', TSX, ['infra/worker.ts'], workerEnv('control,actor'));
   for (const name of ['rollout-0', 'rollout-1']) procs.start(hosts[name], name, TSX, ['infra/worker.ts'], workerEnv('rollout'));
   await Promise.all(['control', 'rollout-0', 'rollout-1'].map((name) =>
@@ -88,7 +97,7 @@ const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
 
 test('a recipe run completes across hosts; refits cross hosts; bind addresses and tokens hold', async () => {
   const runId = `cluster-${Date.now()}`;
-  const run = runCli(['start', 'recipes/copy', '--run-id', runId, ...RECIPE, '--follow'], { MOLT_TEMPORAL_ADDRESS: temporal });
+  const run = runCli(['start', 'recipes/copy', '--run-id', runId, ...RECIPE, '--follow'], clientEnv);
 
   // Who listens where, sampled on every host until the run ends (a weight push's store lives for
   // a second, an episode's loopback server for less).
@@ -126,7 +135,6 @@ test('a recipe run completes across hosts; refits cross hosts; bind addresses an
       expect([where, addr]).toEqual([where, host.ip]);
     }
   }
-  expect([...seen.keys()].filter((k) => k.startsWith('rollout-') && / 127\.0\.0\.1:/.test(k)).length).toBeGreaterThan(0);
   // The actor trained on two hosts; the engines, on two others, hold the last step's weights.
   expect((await health(actor)).world_size).toBe(2);
   for (const url of engines) expect((await health(url)).version).toBe(STEPS);
@@ -161,4 +169,57 @@ test('a recipe run completes across hosts; refits cross hosts; bind addresses an
   console.log(`cluster run: ${STEPS} steps, time/step mean ${mean(lines.map((m) => m['time/step'])).toFixed(2)} s, `
     + `refit across hosts mean ${mean(lines.map((m) => m['time/refit_transfer'])).toFixed(3)} s, ${rollout.size} rollout worker(s) used`
     + ` (client on ${LOGIN_IP})`);
+}, 1_800_000);
+
+// Elastic engines: engine-2 joins a running run, engine-0 drains, engine-1 is killed without draining.
+// The run never stalls and loses no episode: every step trains its full batch.
+test('engines join, drain and die mid-run; every step trains a full batch', async () => {
+  const runId = `elastic-${Date.now()}`;
+  const env = clientEnv;
+  const at = (step: number) => waitUntil(`step ${step}`, () => metrics(runId).length >= step, 900_000);
+  // More steps than it will take: it is cancelled (a graceful stop) once the three events are behind it.
+  const run = runCli(['start', 'recipes/copy', '--run-id', runId, ...RECIPE, '--train.steps', '1000', '--follow'], env);
+  const stepTimes = () => metrics(runId).map((m) => Date.parse(m.time));
+
+  await at(2);
+  const add = await runCli(['engines', 'add', runId, spare], env);
+  expect(add.stdout).toMatch(new RegExp(`engine ${spare} serves from version \\d+ \\(joined in [\\d.]+ s\\)`));
+  const joinedAt = Number(/serves from version (\d+)/.exec(add.stdout)![1]);
+  expect((await health(spare)).version).toBeGreaterThanOrEqual(joinedAt); // the weights came before any group
+  expect((await runCli(['engines', 'add', runId, engines[0]], env)).stderr).toContain(`engine ${engines[0]} already serves run ${runId}`);
+
+  await at(joinedAt + 2);
+  const drain = await runCli(['engines', 'drain', runId, engines[0]], env);
+  expect(drain.stdout).toMatch(/left at version \d+ after [\d.]+ s \(\d+ groups finished on it\)/);
+  const leftAt = Number(/left at version (\d+)/.exec(drain.stdout)![1]);
+  const list = await runCli(['engines', 'list', runId], env);
+  expect(list.stdout).toContain(`${spare}\tserving`);
+  expect(list.stdout).toContain(`${engines[1]}\tserving`);
+  expect(list.stdout).not.toContain(engines[0]);
+  expect((await runCli(['engines', 'drain', runId, engines[0]], env)).stderr).toContain(`engine ${engines[0]} does not serve run ${runId}`);
+
+  const killedAfter = metrics(runId).length;
+  procs.kill('engine-1'); // no drain: the process and its requests are gone
+  const killedAt = Date.now();
+  await at(killedAfter + 3);
+  const firstStepAfterKill = (stepTimes()[killedAfter] - killedAt) / 1000;
+  expect((await runCli(['cancel', runId], env)).code).toBe(0);
+
+  const result = await run;
+  expect(result.code).toBe(0);
+  const lines = metrics(runId);
+  expect(lines.map((m) => m.step)).toEqual(Array.from({ length: lines.length }, (_, i) => i + 1));
+  for (const m of lines) {
+    expect([m.step, m.episodes, m['rollout/failed_episodes'], m['dropped/empty']]).toEqual([m.step, 8, 0, 0]);
+  }
+  expect((await health(spare)).version).toBe(lines.length);
+  const drained = (await health(engines[0])).version; // it got no weights after it left
+  expect(drained).toBeGreaterThanOrEqual(leftAt);
+  expect(drained).toBeLessThanOrEqual(leftAt + 1); // a refit begun before the drain ended may still reach it
+  expect(drained).toBeLessThan(lines.length);
+  const moved = ['rollout-0', 'rollout-1'].flatMap((n) => fs.readFileSync(procs.log(n), 'utf8').match(/router: session \S+ moved/g) ?? []);
+  expect(fs.readFileSync(procs.log('control'), 'utf8')).toContain('refit goes on without them');
+  console.log(`elastic run (${lines.length} steps): ${add.stdout.trim()} | ${drain.stdout.trim()} | kill of engine-1 after step `
+    + `${killedAfter}: the next step ended ${firstStepAfterKill.toFixed(1)} s later, ${moved.length} sessions moved | `
+    + `time/step mean ${mean(lines.map((m) => m['time/step'])).toFixed(2)} s`);
 }, 1_800_000);
