@@ -40,9 +40,17 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput): Prom
   const versions = { min: Infinity, max: -Infinity };
   let failed = 0;
 
+  // At most as many episodes at once as training keeps in flight (pool.inflight groups): the engines
+  // are sized for that, and hundreds of multi-turn episodes at once would run past the engine-call deadline.
+  let running = 0;
+  const waiting: (() => void)[] = [];
+  const maxRunning = config.pool.inflight * config.group_size;
+
   // One episode: its reward, 0 if the agent or the engine refused it.
   const run = async (episodes: EpisodeRunner, groupIndex: number, episode: number): Promise<number> => {
     const session = `eval/${runId}/s${step}/g${groupIndex}/e${episode}`;
+    if (running < maxRunning) running++;
+    else await new Promise<void>((start) => waiting.push(start)); // a finished episode hands over its slot
     try {
       const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal));
       result.segments.forEach((t) => t.versions.forEach((v, i) => {
@@ -57,6 +65,9 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput): Prom
     } finally {
       router.endSession(session);
       ctx.heartbeat();
+      const next = waiting.shift();
+      if (next) next();
+      else running--;
     }
   };
 
