@@ -95,6 +95,7 @@ export interface TrainRunInput {
 // must not keep the run stopping forever: after this long the actor work still running is
 // cancelled and the run ends without it (its trained steps stay replayable from their manifests).
 const STOP_GRACE_SECONDS = 120;
+const FINAL_REJOIN_TRIES = 12; // 10 s apart: how long the last refit waits for an engine that is restarting
 
 export interface TrainRunSummary {
   runId: string;
@@ -336,7 +337,13 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
         batchInStep = []; // the step's manifest names them now
         times.trained = Date.now();
         const engines = run.engines && [...run.engines, ...drainingEngines];
-        const refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step, engines }]);
+        let refitted = await refit.executeWithOptions({ summary: `refit engines to version ${step}` }, [{ runId, version: step, engines }]);
+        // A refit goes on without an engine that does not answer; a restarted one rejoins at the next
+        // refit. After the last step there is none, so wait a bounded while for it to come back.
+        for (let tries = 0; step === config.train.steps && refitted.missed?.length && tries < FINAL_REJOIN_TRIES; tries++) {
+          await sleep('10 seconds');
+          refitted = await refit.executeWithOptions({ summary: `refit engines that missed version ${step}` }, [{ runId, version: step, engines }]);
+        }
         times.refitted = Date.now();
         times.transferSeconds = refitted.seconds;
         run.step = step;
