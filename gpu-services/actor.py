@@ -336,12 +336,7 @@ class Actor:
         sums = dict(zip(keys, totals.tolist()))
         t_fb = time.time()
 
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.grad_clip)
-        grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.version, self.last_step, self.run_id = step, step, run_id
+        grad_norm = self.apply_gradients(algo, step, run_id)
         t_end = time.time()
 
         trained = sums["tokens"]
@@ -411,16 +406,21 @@ class Actor:
             sums += torch.stack([loss.detach(), hits.sum() / total])
         if self.world_size > 1:
             dist.all_reduce(sums)
+        grad_norm = self.apply_gradients(algo, step, run_id)
+        return {"loss": sums[0].item(), "token_accuracy": sums[1].item(), "grad_norm": grad_norm,
+                "optimizer_skipped": float(not math.isfinite(grad_norm)), "tokens/trained": total,
+                "tokens/total": float(sum(lengths)), "sequences": float(len(lengths)), "lr": algo.lr,
+                "time/total": time.time() - t_start}
+
+    def apply_gradients(self, algo: AlgoConfig, step: int, run_id: str) -> float:
+        """Clip, step (skipped when the gradient norm is not finite), and make the weights step `step` of the run."""
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.grad_clip)
         grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
         if math.isfinite(grad_norm):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.version, self.last_step, self.run_id = step, step, run_id
-        return {"loss": sums[0].item(), "token_accuracy": sums[1].item(), "grad_norm": grad_norm,
-                "optimizer_skipped": float(not math.isfinite(grad_norm)), "tokens/trained": total,
-                "tokens/total": float(sum(lengths)), "sequences": float(len(lengths)), "lr": algo.lr,
-                "time/total": time.time() - t_start}
+        return grad_norm
 
     # --- weights out
 
