@@ -137,9 +137,14 @@ export async function runInSandbox(code: string, opts: SandboxOptions = {}): Pro
   // -u: what the code printed before a kill still comes back. detached: its own process group, killed as one.
   const child = spawn('unshare', ['--net', '--mount', '--pid', '--ipc', '--fork', '--kill-child', '--mount-proc',
     SANDBOX_PYTHON, '-I', '-u', '-c', BOOTSTRAP], { stdio: ['pipe', 'pipe', 'pipe', 'pipe'], env, detached: true });
+  // Kills the namespace's init (and the rest of the cgroup): the kernel then kills every process of the
+  // namespace and reaps them before `unshare` sees init exit, so once `unshare` has exited none is left,
+  // not even a zombie. Killing `unshare` too would end the wait before the reaping is done.
   const kill = () => {
-    try { process.kill(-child.pid!, 'SIGKILL'); } catch { /* exited */ }
-    try { for (const pid of procsOf(cg.pids)) process.kill(pid, 'SIGKILL'); } catch { /* exited meanwhile */ }
+    let inCgroup: number[] = [];
+    try { inCgroup = procsOf(cg.pids); } catch { /* removed meanwhile */ }
+    for (const pid of inCgroup) try { process.kill(pid, 'SIGKILL'); } catch { /* exited meanwhile */ }
+    if (inCgroup.length === 0) try { process.kill(-child.pid!, 'SIGKILL'); } catch { /* exited */ } // not set up yet
   };
   const timer = setTimeout(() => { hit.add('wall'); kill(); }, limits.wallMs);
   const out: Record<'stdout' | 'stderr' | 'status', Buffer[]> = { stdout: [], stderr: [], status: [] };

@@ -105,6 +105,9 @@ test('set changes lr and batch size from the next step, across continue-as-new; 
     const state = await handle.executeUpdate(setUpdate, { args: [{ 'algo.lr': 1e-4, 'batch.groups': 2 }] });
     expect(state.settings).toMatchObject({ 'algo.lr': 1e-4, 'batch.groups': 2 });
     s.openSteps = 3;
+    // Step 1 ends before any group does: a group finishing during step 1 would let the filler start
+    // one more (the run drains only after step 1), and step 3 would come in the first execution.
+    await waitFor('step 1 done', async () => (await handle.query(progressQuery)).step === 1);
     for (let i = 0; i < 4; i++) await releaseOne(s);
     const summary = await handle.result();
     expect(summary.steps).toBe(3);
