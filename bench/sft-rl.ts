@@ -102,7 +102,8 @@ async function heldOut(stack: Stack, recipeDir: string, config: RecipeConfig, di
 
 async function runRecipe(recipe: string): Promise<Result> {
   const recipeDir = path.join(REPO_ROOT, 'recipes', recipe);
-  const extra = Object.fromEntries(opts.set.split(',').filter(Boolean).map((kv) => kv.split('=') as [string, string]));
+  const extra = Object.fromEntries(opts.set.split(/,(?![^[]*\])/).filter(Boolean)
+    .map((kv) => [kv.slice(0, kv.indexOf('=')), kv.slice(kv.indexOf('=') + 1)]));
   const sftSteps = Number(opts['sft-steps']);
   const rlSteps = Number(opts['rl-steps']);
   const config = loadRecipe(recipeDir, {

@@ -163,43 +163,44 @@ function rng(seed: number): () => number {
 const NAMES = ['Mia', 'Tom', 'Ana', 'Raj', 'Lea', 'Sam', 'Ivy', 'Ben'];
 type Template = (r: (lo: number, hi: number) => number, name: string) => Problem;
 const F = Fraction.of;
-// Each template draws its numbers with r(lo, hi) (integers, inclusive) and says how to solve it.
-const TEMPLATES: Template[] = [
-  (r, name) => {
+// Each template draws its numbers with r(lo, hi) (integers, inclusive) and says how to solve it. The names are
+// what env.templates lists.
+export const TEMPLATES: Record<string, Template> = {
+  add: (r, name) => {
     const [a, b] = [r(10, 999), r(10, 999)];
     return { text: `${name} has ${a} marbles and finds ${b} more. How many marbles does ${name} have now?`,
       answer: F(a + b), steps: [`${a}+${b}`] };
   },
-  (r, name) => {
+  mul: (r) => {
     const [a, b] = [r(3, 99), r(3, 99)];
     return { text: `A box holds ${a} pens. How many pens are in ${b} boxes?`, answer: F(a * b), steps: [`${a}*${b}`] };
   },
-  (r) => {
+  sub: (r) => {
     const [a, b] = [r(-20, 30), r(5, 60)];
     return { text: `The temperature was ${a} degrees and fell by ${b} degrees. What is the temperature now?`,
       answer: F(a - b), steps: [`${a}-${b}`] };
   },
-  (r) => {
+  div: (r) => {
     const [a, b] = [r(2, 200), r(2, 12)];
     return { text: `${a} liters of juice are shared equally among ${b} bottles. How many liters go in each bottle?`,
       answer: F(a).div(F(b)), steps: [`${a}/${b}`] };
   },
-  (r, name) => {
+  mul_add: (r, name) => {
     const [a, b, c] = [r(2, 40), r(6, 24), r(1, 99)];
     return { text: `${name} sells ${a} boxes of ${b} eggs and ${c} single eggs. How many eggs does ${name} sell?`,
       answer: F(a * b + c), steps: [`${a}*${b}`, `${a * b}+${c}`] };
   },
-  (r) => {
+  mul_sub: (r) => {
     const [a, b, c] = [r(20, 120), r(2, 9), r(1000, 9999)];
     return { text: `A truck drives ${a} km a day for ${b} days. The trip is ${c} km. How many km are left?`,
       answer: F(c - a * b), steps: [`${a}*${b}`, `${c}-${a * b}`] };
   },
-  (r, name) => {
+  sub_div: (r, name) => {
     const [a, b, c] = [r(100, 5000), r(10, 900), r(2, 8)];
     return { text: `${name} has ${a} dollars, spends ${b} and splits the rest equally among ${c} friends. ` +
       'How many dollars does each friend get?', answer: F(a - b).div(F(c)), steps: [`${a}-${b}`, `${a - b}/${c}`] };
   },
-];
+};
 
 // The split a problem belongs to, from a hash of its text: the same problem is never in both.
 export type Split = 'train' | 'eval';
@@ -208,21 +209,38 @@ export function splitOf(text: string, evalFraction: number): Split {
   return h % 10_000 < evalFraction * 10_000 ? 'eval' : 'train';
 }
 
-export interface ProblemSettings { evalFraction: number }
+// env settings of both recipes. templates and operands make easier problems (a smaller model, a shorter warm
+// start): only the named kinds of problem, and every number drawn from [lo, hi] instead of the template's range.
+export interface ProblemSettings { evalFraction: number; templates: string[]; operands?: [number, number] }
 export function problemSettings(settings: Record<string, unknown>): ProblemSettings {
   const evalFraction = Number(settings.eval_fraction ?? 0.1);
   if (!(evalFraction > 0 && evalFraction < 1)) {
     throw new Error(`env.eval_fraction must be a number in (0, 1), got ${JSON.stringify(settings.eval_fraction)}`);
   }
-  return { evalFraction };
+  const templates = settings.templates ?? Object.keys(TEMPLATES);
+  if (!Array.isArray(templates) || !templates.length || templates.some((t) => !Object.hasOwn(TEMPLATES, t))) {
+    throw new Error(`env.templates must be a non-empty list of ${Object.keys(TEMPLATES).join(', ')}, `
+      + `got ${JSON.stringify(settings.templates)}`);
+  }
+  const operands = settings.operands as [number, number] | undefined;
+  if (operands !== undefined && !(Array.isArray(operands) && operands.length === 2 && operands.every(Number.isInteger)
+    && operands[0] >= 1 && operands[0] <= operands[1])) {
+    // lo >= 1: a drawn 0 would divide by zero in div and sub_div
+    throw new Error(`env.operands must be [lo, hi], integers with 1 <= lo <= hi, got ${JSON.stringify(settings.operands)}`);
+  }
+  return { evalFraction, templates, operands };
 }
 
 // The problem for a seed, drawn again until it falls in the wanted split.
 export function problemFor(seed: number, split: Split, settings: ProblemSettings): Problem {
   const next = rng(seed);
-  const r = (lo: number, hi: number) => lo + Math.floor(next() * (hi - lo + 1));
-  for (;;) {
-    const p = TEMPLATES[r(0, TEMPLATES.length - 1)](r, NAMES[r(0, NAMES.length - 1)]);
+  const draw = (lo: number, hi: number) => lo + Math.floor(next() * (hi - lo + 1));
+  const [lo, hi] = settings.operands ?? [];
+  const r = lo === undefined ? draw : () => draw(lo, hi!);
+  for (let tries = 0; ; tries++) {
+    // a few problems in all (small operands, one template) may have none in a split
+    if (tries === 10_000) throw new Error(`no ${split} problem in 10000 draws: env.templates/operands leave too few problems`);
+    const p = TEMPLATES[settings.templates[draw(0, settings.templates.length - 1)]](r, NAMES[draw(0, NAMES.length - 1)]);
     if (splitOf(p.text, settings.evalFraction) === split) return p;
   }
 }

@@ -72,7 +72,7 @@ test('the eval split is held out: no problem is in both, and held-out groups get
   }
   for (const t of train) expect(splitOf(t, 0.2)).toBe('train');
   // About the asked fraction of all problems is held out.
-  const all = Array.from({ length: 2000 }, (_, s) => problemFor(s, 'train', { evalFraction: 1e-9 }).text);
+  const all = Array.from({ length: 2000 }, (_, s) => problemFor(s, 'train', problemSettings({ eval_fraction: 1e-9 })).text);
   const held = all.filter((t) => splitOf(t, 0.2) === 'eval').length / all.length;
   expect(held).toBeGreaterThan(0.15);
   expect(held).toBeLessThan(0.25);
@@ -84,4 +84,29 @@ test('the eval split is held out: no problem is in both, and held-out groups get
 test('fractions are kept in lowest terms with the sign in the numerator', () => {
   expect(new Fraction(6n, -8n).toString()).toBe('-3/4');
   expect(() => new Fraction(1n, 0n)).toThrow('division by zero');
+});
+
+test('env.templates and env.operands: only the named problems, every number in [lo, hi]; bad values are named', () => {
+  const settings = problemSettings({ templates: ['add', 'mul'], operands: [10, 99] });
+  const problems = Array.from({ length: 300 }, (_, s) => problemFor(s, s % 2 ? 'train' : 'eval', settings));
+  for (const p of problems) {
+    expect(p.text).toMatch(/^(\w+ has \d+ marbles and finds \d+ more|A box holds \d+ pens)/);
+    for (const n of p.text.match(/\d+/g)!) expect(Number(n)).toBeGreaterThanOrEqual(10);
+    for (const n of p.text.match(/\d+/g)!) expect(Number(n)).toBeLessThanOrEqual(99);
+    expect(calculate(p.steps[p.steps.length - 1]).equals(p.answer)).toBe(true);
+  }
+  expect(new Set(problems.map((p) => p.text.slice(0, 5))).size).toBeGreaterThan(2); // both kinds, several names
+  // The default is every template with its own ranges, as before the settings existed.
+  expect(problemFor(5, 'train', problemSettings({}))).toEqual(problemFor(5, 'train', problemSettings({ templates: undefined })));
+  expect(() => problemSettings({ templates: ['add', 'pow'] })).toThrow('env.templates must be a non-empty list of add, mul');
+  expect(() => problemSettings({ templates: [] })).toThrow('env.templates must be a non-empty list');
+  expect(() => problemSettings({ operands: [0, 9] })).toThrow('env.operands must be [lo, hi], integers with 1 <= lo <= hi, got [0,9]');
+  expect(() => problemSettings({ operands: [9, 2] })).toThrow('env.operands must be [lo, hi]');
+  expect(() => problemSettings({ operands: 5 })).toThrow('env.operands must be [lo, hi]');
+  // One problem in all: it is in one split, and the other has none (an error, not a loop forever).
+  const one = problemSettings({ templates: ['mul'], operands: [3, 3], eval_fraction: 0.5 });
+  const text = 'A box holds 3 pens. How many pens are in 3 boxes?';
+  const [has, none] = splitOf(text, 0.5) === 'train' ? ['train', 'eval'] as const : ['eval', 'train'] as const;
+  expect(problemFor(1, has, one).text).toBe(text);
+  expect(() => problemFor(1, none, one)).toThrow(`no ${none} problem in 10000 draws`);
 });
