@@ -15,6 +15,9 @@
 // recorded samples back, in order. The call that was in progress continues on the engine from its
 // saved ids. An agent that asks something else than before (it is not deterministic) gets fresh
 // generations from that call on.
+//
+// Calls to the recipe's other pools (a judge, a teacher: `pool`) are journaled the same way, apart from the
+// policy's and per pool: the k-th call to a pool is answered from the journal if it asks the same as before.
 import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
@@ -32,6 +35,7 @@ export interface JournalFile {
   calls: RecordedCall[]; // answered calls, in order
   // the call in progress: what it has sampled so far
   current: (Sampled & { prompt: string; routed_experts?: RecordedCall['routed_experts'] }) | null;
+  pools?: Record<string, ({ request: string; reply: unknown } | null)[]>; // per pool, its answered calls in order
 }
 // The engine, bound to the episode's router session: streams when given onChunk (see EngineRouter).
 export type EngineCall = (body: GenerateRequest, onChunk: (chunk: GenerateChunk) => boolean)
@@ -59,8 +63,9 @@ const promptHash = (ids: number[]) => createHash('sha256').update(Int32Array.fro
 
 export class EpisodeJournal {
   readonly recorded: JournalFile = { calls: [], current: null };
-  readonly stats = { replayedCalls: 0, resumedTokens: 0, generatedTokens: 0 };
+  readonly stats = { replayedCalls: 0, resumedTokens: 0, generatedTokens: 0, replayedPoolCalls: 0 };
   private replay: RecordedCall[];
+  private readonly poolReplay: NonNullable<JournalFile['pools']>;
   private resume: JournalFile['current'];
   private saving: Promise<void> = Promise.resolve();
   private saveQueued = false;
@@ -76,6 +81,25 @@ export class EpisodeJournal {
   ) {
     this.replay = previous?.calls ?? [];
     this.resume = previous?.current ?? null;
+    this.poolReplay = previous?.pools ?? {};
+  }
+
+  // One call to another pool. Its place is taken when it starts, so concurrent calls keep the order the
+  // agent made them in; a request unlike the recorded one is asked, and nothing after it replays.
+  async pool<T>(pool: string, request: object, call: () => Promise<T>): Promise<T> {
+    const key = createHash('sha256').update(JSON.stringify(request)).digest('hex');
+    const done = ((this.recorded.pools ??= {})[pool] ??= []);
+    const index = done.push(null) - 1;
+    const old = this.poolReplay[pool]?.[index];
+    if (old?.request === key) {
+      this.stats.replayedPoolCalls++;
+      return (done[index] = old).reply as T;
+    }
+    if (old) this.poolReplay[pool] = []; // the agent went another way (null: a call that was never answered)
+    const reply = await call();
+    done[index] = { request: key, reply };
+    await this.save();
+    return reply;
   }
 
   // One engine call of the episode. onToken (the loopback server's session) sees each sampled id as

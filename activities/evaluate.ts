@@ -13,7 +13,7 @@ import { deriveSeed, AgentError } from '../agents/env-runner';
 import type { RecipeConfig } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
 import { ServiceError } from './gpu-client';
-import { episodeRunner, loadRecipeAgent, type EpisodeRunner } from './rollout';
+import { episodeRunner, loadRecipeAgent, poolClients, type EpisodeRunner } from './rollout';
 
 export const EVAL_GROUP_BASE = 1_000_000_000;
 
@@ -31,7 +31,7 @@ export interface EvaluateResult {
   version_max: number;
 }
 
-export async function evaluate(router: EngineRouter, input: EvaluateInput): Promise<EvaluateResult> {
+export async function evaluate(router: EngineRouter, input: EvaluateInput, pools: Record<string, EngineRouter> = {}): Promise<EvaluateResult> {
   const ctx = Context.current();
   const { runId, step, config } = input;
   const { prompts, samples, greedy } = config.eval;
@@ -52,7 +52,8 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput): Prom
     if (running < maxRunning) running++;
     else await new Promise<void>((start) => waiting.push(start)); // a finished episode hands over its slot
     try {
-      const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal));
+      const clients = poolClients(pools, config, session, ctx.cancellationSignal, null, {});
+      const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal), clients);
       result.segments.forEach((t) => t.versions.forEach((v, i) => {
         if (t.lossMask[i]) { versions.min = Math.min(versions.min, v); versions.max = Math.max(versions.max, v); }
       }));
@@ -64,6 +65,7 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput): Prom
       return 0;
     } finally {
       router.endSession(session);
+      for (const [name, r] of Object.entries(pools)) r.endSession(`${session}/${name}`);
       ctx.heartbeat();
       const next = waiting.shift();
       if (next) next();

@@ -23,8 +23,10 @@ async function failFast<T>(work: Promise<T>): Promise<T> {
 
 export function createActivities(endpoints: ServiceEndpoints) {
   const router = new EngineRouter(endpoints.engines, endpoints.token);
+  const pools = Object.fromEntries(Object.entries(endpoints.pools ?? {})
+    .map(([name, urls]) => [name, new EngineRouter(urls, endpoints.token)]));
   return {
-    rolloutGroup: (input: RolloutGroupInput) => failFast(rolloutGroup(endpoints, router, input)),
+    rolloutGroup: (input: RolloutGroupInput) => failFast(rolloutGroup(endpoints, router, input, pools)),
     trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
     sftStep: (input: SftStepInput) => failFast(sftStep(endpoints, input)),
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),
@@ -33,7 +35,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     resumePoint: (input: { runId: string }) => resumePoint(endpoints, input),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
     writeRunConfig: (input: RunConfigInput) => writeRunConfig(endpoints.storeRoot, input),
-    evaluate: (input: EvaluateInput) => failFast(evaluate(router, input)),
+    evaluate: (input: EvaluateInput) => failFast(evaluate(router, input, pools)),
   };
 }
 

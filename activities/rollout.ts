@@ -11,7 +11,9 @@ import { ApplicationFailure } from '@temporalio/common';
 import { runChatEpisode, type ChatEpisode, type ChatPrompt } from '../agents/chat-runner';
 import type { GenerateFn } from '../agents/chat-session';
 import { ChatTemplate } from '../agents/chat-template';
-import { checkEnv, loadAgentRunner, type ChatAgentRunner, type EnvAgentRunner, type GroupTask } from '../agents/contract';
+import {
+  checkEnv, loadAgentRunner, type ChatAgentRunner, type EnvAgentRunner, type GroupTask, type Pools,
+} from '../agents/contract';
 import { AgentError, deriveSeed, runEnvEpisode } from '../agents/env-runner';
 import { LoopbackServer } from '../agents/loopback';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
@@ -28,6 +30,7 @@ interface EpisodeRecord {
   tokens: number; // sampled tokens
   minVersion: number;
   maxVersion: number;
+  metrics?: Record<string, number>; // agent/<name> and pool/<name>/calls|seconds of this episode
 }
 
 // What the activity heartbeats: small (refs, no tokens), and enough to resume.
@@ -40,10 +43,47 @@ export interface RolloutManifest {
 // How one episode is run, by either agent form: given its index and the engine call bound to its
 // router session, it returns the episode's segments (one trajectory each) and its reward.
 // Evaluation (activities/evaluate.ts) runs its episodes through the same runners.
-export interface Episode { segments: Trajectory[]; reward: number; finish: string }
-// generate streams the sampled ids to onToken when given (see EpisodeJournal.generate).
+export interface Episode { segments: Trajectory[]; reward: number; finish: string; metrics?: Record<string, number> }
+// generate streams the sampled ids to onToken when given (see EpisodeJournal.generate); pools: the
+// recipe's other pools, bound to the episode (poolClients).
 export type EpisodeRunner = (episode: number,
-  generate: (body: GenerateRequest, onToken?: (id: number) => boolean) => Promise<GenerateResponse>) => Promise<Episode>;
+  generate: (body: GenerateRequest, onToken?: (id: number) => boolean) => Promise<GenerateResponse>,
+  pools?: Pools) => Promise<Episode>;
+
+// The recipe's pools (`pools`) as one episode's clients: each call journaled when a journal is given
+// (a retried episode does not ask again), and each call asked (not replayed) counted in metrics as
+// pool/<name>/calls and pool/<name>/seconds.
+export function poolClients(routers: Record<string, EngineRouter>, config: RecipeConfig, session: string,
+  signal: AbortSignal, journal: EpisodeJournal | null, metrics: Record<string, number>): Pools {
+  const missing = Object.keys(config.pools).filter((name) => !routers[name]);
+  if (missing.length) {
+    throw ApplicationFailure.nonRetryable(`the recipe's pools ${missing.join(', ')} have no engines on this worker `
+      + `(MOLT_POOLS has ${Object.keys(routers).join(', ') || 'none'}): start the stack with the recipe's pools`, 'PoolMissing');
+  }
+  return Object.fromEntries(Object.keys(config.pools).map((name) => {
+    const router = routers[name];
+    const asked = <T>(ask: () => Promise<T>) => async () => {
+      const started = Date.now();
+      try {
+        return await ask();
+      } finally {
+        metrics[`pool/${name}/calls`] = (metrics[`pool/${name}/calls`] ?? 0) + 1;
+        metrics[`pool/${name}/seconds`] = (metrics[`pool/${name}/seconds`] ?? 0) + (Date.now() - started) / 1000;
+      }
+    };
+    const call = <T>(request: object, ask: () => Promise<T>) => (journal ? journal.pool(name, request, asked(ask)) : asked(ask)());
+    const at = `${session}/${name}`;
+    return [name, {
+      generate: (body: GenerateRequest) => call({ generate: body }, () => router.generate(at, body, signal)),
+      score: (ids: number[]) => call({ score: ids }, () => router.score(at, ids, signal)),
+    }];
+  }));
+}
+
+const addTo = (sum: Record<string, number>, add: Record<string, number> = {}) => {
+  for (const [k, v] of Object.entries(add)) sum[k] = (sum[k] ?? 0) + v;
+  return sum;
+};
 
 // The recipe's agent module; one that does not load fails the same way on every retry: stop at once.
 export async function loadRecipeAgent(recipeDir: string, config: RecipeConfig): Promise<{ modulePath: string; runner: EnvAgentRunner | ChatAgentRunner }> {
@@ -79,7 +119,8 @@ export function episodeFailure(e: Error, recipe: string, modulePath: string, gro
   return `recipe ${recipe} (${shown}), group ${groupIndex} episode ${episode}: ${e.message}`;
 }
 
-export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput): Promise<GroupResult> {
+export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput,
+  pools: Record<string, EngineRouter> = {}): Promise<GroupResult> {
   const started = Date.now();
   const ctx = Context.current();
   const { runId, groupIndex, config } = input;
@@ -104,9 +145,20 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       manifest.partial![episode] = { ref: key, tokens: journal.tokens() };
       ctx.heartbeat(manifest);
     });
+    const poolMetrics: Record<string, number> = {};
     try {
+      const clients = poolClients(pools, config, session, ctx.cancellationSignal, journal, poolMetrics);
       const result = await runAgentEpisode(episode, (body, onToken) =>
-        journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk, engines), onToken));
+        journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk, engines), onToken),
+      clients);
+      // On-policy distillation: the teacher pool scores the exact ids of every segment (journaled like any pool call).
+      if (config.teacher) {
+        for (const t of result.segments) {
+          const scored = await clients[config.teacher].score(t.tokens);
+          if (scored.length !== t.tokens.length) throw new Error(`teacher ${config.teacher}: ${scored.length} logprobs for ${t.tokens.length} ids`);
+          t.teacherLogprobs = scored.map((lp, i) => (t.lossMask[i] ? lp : 0));
+        }
+      }
       if (journal.stats.replayedCalls || journal.stats.resumedTokens) {
         ctx.log.info('episode resumed from its journal', { groupIndex, episode, ...journal.stats });
       }
@@ -119,6 +171,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       manifest.done[episode] = {
         refs, reward: result.reward, tokens: sampled.length,
         minVersion: sampled.length ? Math.min(...sampled) : -1, maxVersion: sampled.length ? Math.max(...sampled) : -1,
+        metrics: addTo(Object.fromEntries(Object.entries(result.metrics ?? {}).map(([k, v]) => [`agent/${k}`, v])), poolMetrics),
       };
       delete manifest.partial![episode];
       sample ??= describeEpisode(episode, result, config);
@@ -128,6 +181,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       throw e;
     } finally {
       router.endSession(session);
+      for (const [name, r] of Object.entries(pools)) r.endSession(`${session}/${name}`);
     }
     ctx.heartbeat(manifest);
   };
@@ -169,6 +223,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     minVersion: versions.length ? Math.min(...versions.map((d) => d.minVersion)) : -1,
     maxVersion: versions.length ? Math.max(...versions.map((d) => d.maxVersion)) : -1,
     seconds: (Date.now() - started) / 1000,
+    metrics: done.reduce((sum, d) => addTo(sum, d.metrics), {} as Record<string, number>),
     ...(sample ? { sample } : {}),
   };
 }
@@ -191,10 +246,10 @@ function describeEpisode(episode: number, result: Episode, config: RecipeConfig)
 
 function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeConfig, task: GroupTask): EpisodeRunner {
   const tokenizer = tokenizerFor(resolveModelDir(config.model));
-  return async (episode, generate) => {
+  return async (episode, generate, pools = {}) => {
     let env;
     try {
-      env = checkEnv(runner.createEnv(config.env), modulePath);
+      env = checkEnv(runner.createEnv(config.env, { pools }), modulePath);
     } catch (e) {
       throw new AgentError(`createEnv: ${(e as Error).message}`, { cause: e });
     }
@@ -203,7 +258,7 @@ function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeC
         env, tokenizer, sampling: config.sampling, maxContext: config.max_context, runSeed: config.seed,
         task: { ...task, episode }, generate, routedExperts: config.algo.routing_replay,
       });
-      return { segments: [result.trajectory], reward: result.reward, finish: result.finish };
+      return { segments: [result.trajectory], reward: result.reward, finish: result.finish, metrics: result.metrics };
     } finally {
       await env.close?.();
     }
@@ -223,7 +278,7 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
   // Every episode of the group starts from the same prompt: ask for it once.
   let prompt: Promise<ChatPrompt> | undefined;
 
-  return async (episode, generateOnEngine) => {
+  return async (episode, generateOnEngine, pools = {}) => {
     const server = await (loopback ??= LoopbackServer.start().catch((e) => { loopback = undefined; throw e; }));
     prompt ??= Promise.resolve().then(() => runner.prompt(task, config.env));
     const start = await prompt.catch((e) => { throw agentError('prompt() threw', e); });
@@ -246,6 +301,7 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
     };
     const result: ChatEpisode = await runChatEpisode({
       server, agent: runner, template, generate, prompt: start, sampling: config.sampling, maxContext: config.max_context,
+      pools,
     }).catch((e) => { throw engineError ?? agentError('run() failed', e); });
     if (engineError) throw engineError; // even if the agent carried on, its conversation is broken
     if (!result.segments.length || result.finish === null) throw agentError('run()', 'no token was sampled from the policy: nothing to train');
@@ -253,6 +309,7 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
       segments: result.segments.map((s) => ({ tokens: s.tokens, logprobs: s.logprobs, versions: s.versions, lossMask: s.loss_mask })),
       reward: result.reward,
       finish: result.finish,
+      metrics: result.metrics,
     };
   };
 }

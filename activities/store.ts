@@ -124,6 +124,7 @@ export interface Trajectory {
   versions: number[]; // [T] engine weight version of sampled tokens, -1 elsewhere
   lossMask: number[]; // [T] 1 = sampled by the policy
   routedExperts?: number[][][]; // [T][layers][top_k] for MoE routing replay
+  teacherLogprobs?: number[]; // [T] on-policy distillation: the teacher pool's logprob of each sampled token, 0 elsewhere
 }
 
 export interface TrajectoryMeta {
@@ -150,6 +151,10 @@ export async function writeTrajectory(storeRoot: string, key: string, t: Traject
     versions: { dtype: 'I32', shape: [T], data: Int32Array.from(t.versions) },
     loss_mask: { dtype: 'U8', shape: [T], data: Uint8Array.from(t.lossMask) },
   };
+  if (t.teacherLogprobs) {
+    if (t.teacherLogprobs.length !== T) throw new Error(`trajectory ${key}: teacherLogprobs has length ${t.teacherLogprobs.length}, tokens ${T}`);
+    tensors.teacher_logprobs = { dtype: 'F32', shape: [T], data: Float32Array.from(t.teacherLogprobs) };
+  }
   if (t.routedExperts) {
     const L = t.routedExperts[0]?.length ?? 0;
     const K = t.routedExperts[0]?.[0]?.length ?? 0;
@@ -173,6 +178,7 @@ export function readTrajectory(storeRoot: string, key: string): { trajectory: Tr
     tokens: Array.from(tensors.tokens.data), logprobs: Array.from(tensors.logprobs.data),
     versions: Array.from(tensors.versions.data), lossMask: Array.from(tensors.loss_mask.data),
   };
+  if (tensors.teacher_logprobs) trajectory.teacherLogprobs = Array.from(tensors.teacher_logprobs.data);
   const re = tensors.routed_experts;
   if (re) {
     const [T, L, K] = re.shape;

@@ -20,6 +20,8 @@ export interface GroupResult {
   minVersion: number; // oldest policy version among the group's sampled tokens
   maxVersion: number;
   seconds: number;
+  // summed over the group's episodes: agent/<name> from the agent, pool/<name>/calls|seconds of the pools' calls
+  metrics?: Record<string, number>;
   fatal?: string; // the group broke the recipe's failure budget: the run must stop (the message says why)
   sample?: EpisodeSample; // one finished episode, decoded, for people to read (samples.jsonl)
 }
@@ -56,6 +58,7 @@ export interface CheckpointResult { path: string; step: number; removed?: GcResu
 // Where the activities find the services; one set per worker process.
 export interface ServiceEndpoints {
   engines: string[]; // engine base URLs
+  pools?: Record<string, string[]>; // the recipe pools' engine URLs, by pool name (env MOLT_POOLS, JSON)
   actor: string; // actor base URL
   token: string; // bearer token of the GPU services
   storeRoot: string; // trajectory store and checkpoints live under here: <storeRoot>/<runId>/...

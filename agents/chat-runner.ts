@@ -2,6 +2,7 @@
 // stock openai / @anthropic-ai/sdk clients (or any HTTP client), collect the token-exact segments.
 import { spawn } from 'node:child_process';
 import type { ChatMessage, ChatTemplate, ToolSpec } from './chat-template';
+import type { Pools } from './contract';
 import type { FinishReason, GenerateFn, Sampling, Segment } from './chat-session';
 import type { LoopbackServer } from './loopback';
 
@@ -15,8 +16,10 @@ export interface ChatContext {
   label?: unknown; // what the reward compares against
   sampling: Sampling;
   maxContext: number;
+  pools: Pools; // the recipe's other engine pools (judge, teacher), journaled with the episode
 }
-export interface ChatResult { reward: number; info?: Record<string, unknown> }
+// metrics: numbers summed over the step's episodes into agent/<name> (e.g. a judge's unparseable answers)
+export interface ChatResult { reward: number; info?: Record<string, unknown>; metrics?: Record<string, number> }
 
 // The loop of the ChatAgent form: the user owns it. A recipe's AgentRunner adds prompt(task)
 // (ChatAgentRunner in agents/contract.ts); commandAgent() below makes one from any program.
@@ -28,6 +31,7 @@ export interface ChatEpisode {
   segments: Segment[]; // each one trajectory for the store; a prefix rewrite starts a new one
   reward: number;
   info?: Record<string, unknown>;
+  metrics?: Record<string, number>;
   finish: FinishReason | null; // of the last generation (null: the agent never called the policy)
 }
 
@@ -39,6 +43,7 @@ export async function runChatEpisode(opts: {
   prompt: ChatPrompt;
   sampling: Sampling;
   maxContext: number;
+  pools?: Pools;
 }): Promise<ChatEpisode> {
   const { server, template } = opts;
   const stopIds = [...new Set([...opts.sampling.stop_token_ids, ...template.endOfTurnIds()])];
@@ -48,12 +53,15 @@ export async function runChatEpisode(opts: {
     const result = await opts.agent.run({
       ...server.urls(session), model: 'policy', apiKey: session.apiKey,
       messages: opts.prompt.messages, tools: opts.prompt.tools, label: opts.prompt.label,
-      sampling: defaults, maxContext: opts.maxContext,
+      sampling: defaults, maxContext: opts.maxContext, pools: opts.pools ?? {},
     });
     if (typeof result?.reward !== 'number' || !Number.isFinite(result.reward)) {
       throw new Error(`chat agent: run() must return {reward: <finite number>}, got ${JSON.stringify(result)}`);
     }
-    return { segments: session.segments(), reward: result.reward, info: result.info, finish: session.lastFinish };
+    return {
+      segments: session.segments(), reward: result.reward, info: result.info, metrics: result.metrics,
+      finish: session.lastFinish,
+    };
   } finally {
     server.closeSession(session);
   }

@@ -7,9 +7,18 @@
 // ChatAgent form: the user owns the loop (agents/chat-runner.ts). `prompt(task, settings)` gives
 // the group's conversation start; `run(ctx)` talks to the policy through the loopback chat server
 // with any OpenAI / Anthropic client and returns the reward.
+import type { GenerateRequest, GenerateResponse } from '../activities/gpu-client';
 import type { ChatAgent, ChatPrompt } from './chat-runner';
 import type { ChatMessage, ToolSpec } from './chat-template';
 import type { SamplingConfig } from './recipe';
+
+// A further engine pool of the recipe (`pools`: a judge, a teacher) as an episode calls it. Each call is
+// journaled with the episode: a retried episode gets the same answers back and does not ask again.
+export interface PoolClient {
+  generate(body: GenerateRequest): Promise<GenerateResponse>; // token ids in, token ids out, as the policy's
+  score(tokenIds: number[]): Promise<number[]>; // log p(id_t | ids before it) of exactly these ids, [0] = 0
+}
+export type Pools = Record<string, PoolClient>;
 
 // What a prompt group is about: every episode of the group gets the same task.
 export interface GroupTask {
@@ -38,6 +47,7 @@ export interface EnvStepResult {
   truncated: boolean; // cut short (step limit, ...)
   info?: Record<string, unknown>;
   sampling?: Partial<SamplingConfig>; // overrides for the next turn only
+  metrics?: Record<string, number>; // summed over the step's episodes into agent/<name>
 }
 
 export interface Env {
@@ -56,7 +66,8 @@ export type DemonstrationFn =
 
 export interface EnvAgentRunner {
   kind: 'env';
-  createEnv(settings: Record<string, unknown>): Env; // settings: the recipe's `env` object
+  // settings: the recipe's `env` object; one env per episode, with the episode's pool clients
+  createEnv(settings: Record<string, unknown>, episode?: { pools: Pools }): Env;
   demonstration?: DemonstrationFn;
 }
 

@@ -53,6 +53,7 @@ export interface EpisodeResult {
   reward: number; // sum of step rewards
   finish: EpisodeFinish;
   turns: number;
+  metrics: Record<string, number>; // summed over the steps' `metrics`
 }
 
 async function envCall<T>(what: string, call: () => T | Promise<T>): Promise<T> {
@@ -73,7 +74,7 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
   const end = (finish: EpisodeFinish, turns: number): EpisodeResult => {
     const shape = routes.find((r) => r !== null); // [layers][top_k] of any record; none: nothing to store
     if (input.routedExperts && shape) t.routedExperts = routes.map((r) => r ?? shape.map((layer) => layer.map(() => -1)));
-    return { trajectory: t, reward, finish, turns };
+    return { trajectory: t, reward, finish, turns, metrics };
   };
 
   const first = await envCall('reset', () => env.reset(task));
@@ -84,6 +85,7 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
   if (t.tokens.length >= maxContext) throw new AgentError(`the first observation is ${t.tokens.length} tokens, max_context is ${maxContext}`);
 
   let reward = 0;
+  const metrics: Record<string, number> = {};
   let overrides: Partial<SamplingConfig> = {};
   for (let turn = 0; ; turn++) {
     if (t.tokens.length >= maxContext) return end('context', turn);
@@ -120,6 +122,7 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
       throw new AgentError(`env step must return a finite numeric reward, got ${JSON.stringify(result?.reward)}`);
     }
     reward += result.reward;
+    for (const [k, v] of Object.entries(result.metrics ?? {})) if (Number.isFinite(v)) metrics[k] = (metrics[k] ?? 0) + v;
     if (result.terminated) return end('terminated', turn + 1);
     if (result.truncated) return end('truncated', turn + 1);
     if (result.observation) {

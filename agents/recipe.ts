@@ -108,6 +108,16 @@ export const RecipeConfig = z.strictObject({
     count: z.number().int().positive().default(1).describe('rollout engines of a local stack'),
     backend: z.enum(['torch', 'vllm']).default('torch').describe('torch: reference engine (CPU, GPU); vllm'),
   }).default({ count: 1, backend: 'torch' }),
+  // Engine pools beside the policy's (a judge, a teacher): other weights, started by the stack, routed like
+  // the policy's engines, never refit. Episodes call them through `pools` (agents/contract.ts), journaled.
+  pools: z.record(z.string().regex(/^[a-z][a-z0-9_-]*$/, 'a pool name is lowercase letters, digits, - or _')
+    .refine((n) => n !== 'policy', "'policy' names the policy's own engines"), z.strictObject({
+    model: z.string().min(1).describe('local HF model directory, or "tiny"'),
+    count: z.number().int().positive().default(1).describe('engines of this pool in a local stack'),
+    backend: z.enum(['torch', 'vllm']).default('torch').describe('torch: reference engine (CPU, GPU); vllm'),
+  })).default({}).describe('further engine pools by name (judge, teacher): model, count, backend'),
+  teacher: z.string().min(1).optional()
+    .describe("on_policy_distill: the pool that scores every sampled token (its logprobs are the teacher's)"),
   actor: z.strictObject({
     world_size: z.number().int().positive().default(1).describe('actor ranks (torchrun, FSDP2)'),
     offload_optimizer: z.boolean().default(false).describe('optimizer state in CPU memory'),
@@ -160,6 +170,11 @@ export const RecipeConfig = z.strictObject({
     keep_checkpoints: z.number().int().positive().nullable().default(null).describe('checkpoints kept, newest first (null = all)'),
   }).default({ keep_steps: 10, keep_checkpoints: null }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
+}).superRefine((c, ctx) => {
+  if (c.teacher !== undefined && !(c.teacher in c.pools)) {
+    ctx.addIssue({ code: 'custom', path: ['teacher'], message: `no pool named '${c.teacher}' in pools `
+      + `(have: ${Object.keys(c.pools).join(', ') || 'none'})` });
+  }
 });
 export type RecipeConfig = z.infer<typeof RecipeConfig>;
 export type AlgoConfig = RecipeConfig['algo'];
@@ -201,6 +216,12 @@ export function loadRecipe(recipeDir: string, overrides: Record<string, string> 
     parsed.data.sft.data = path.resolve(recipeDir, parsed.data.sft.data);
     if (!existsSync(parsed.data.sft.data)) {
       throw new RecipeError(`recipe config: sft.data: ${parsed.data.sft.data} does not exist`);
+    }
+  }
+  for (const [name, pool] of Object.entries(parsed.data.pools)) {
+    pool.model = resolveModelDir(pool.model); // absolute, as init: the stack may start elsewhere
+    if (!existsSync(path.join(pool.model, 'config.json'))) {
+      throw new RecipeError(`recipe config: pools.${name}.model: ${pool.model} is not a model directory (no config.json)`);
     }
   }
   if (parsed.data.init !== undefined) {

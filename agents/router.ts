@@ -80,6 +80,26 @@ export class EngineRouter {
   // not retried here: the caller has the tokens so far and continues from them.
   async generate(session: string, body: GenerateRequest, signal?: AbortSignal,
     onChunk?: (chunk: GenerateChunk) => boolean, pool = this.engines): Promise<GenerateResponse> {
+    const timeoutMs = this.deadline.baseMs + this.deadline.perTokenMs * (body.sampling?.max_tokens ?? 0);
+    return this.route(session, signal, pool, (engine, streamed) => (onChunk
+      ? streamGenerate(engine, this.token, body, (c) => { streamed(); return onChunk(c); }, signal, timeoutMs)
+      : callService<GenerateResponse>(engine, '/generate', this.token, {
+        body, request: 'GenerateRequest', response: 'GenerateResponse', signal, timeoutMs,
+      })));
+  }
+
+  // Teacher scoring (POST /score): the logprob of each of these ids given those before it.
+  async score(session: string, tokenIds: number[], signal?: AbortSignal): Promise<number[]> {
+    const res = await this.route(session, signal, this.engines, (engine) => callService<{ logprobs: number[] }>(engine, '/score',
+      this.token, { body: { token_ids: tokenIds }, request: 'ScoreRequest', response: 'ScoreResponse', signal,
+        timeoutMs: this.deadline.baseMs }));
+    return res.logprobs;
+  }
+
+  // One call of a session on one of these engines, failed over to another on an unreachable or 5xx engine
+  // (unless the call had streamed: then the caller continues from what arrived).
+  private async route<T>(session: string, signal: AbortSignal | undefined, pool: string[],
+    call: (engine: string, streamed: () => void) => Promise<T>): Promise<T> {
     for (const e of pool) if (!this.inflight.has(e)) this.inflight.set(e, 0);
     const probe = this.probeDown();
     if (pool.every((e) => this.down.has(e))) await probe; // nothing to route to before it
@@ -97,14 +117,7 @@ export class EngineRouter {
       this.inflight.set(current, this.inflight.get(current)! + 1);
       let streamed = false;
       try {
-        const timeoutMs = this.deadline.baseMs + this.deadline.perTokenMs * (body.sampling?.max_tokens ?? 0);
-        if (onChunk) {
-          const seen = (c: GenerateChunk) => { streamed = true; return onChunk(c); };
-          return await streamGenerate(current, this.token, body, seen, signal, timeoutMs);
-        }
-        return await callService<GenerateResponse>(current, '/generate', this.token, {
-          body, request: 'GenerateRequest', response: 'GenerateResponse', signal, timeoutMs,
-        });
+        return await call(current, () => { streamed = true; });
       } catch (e) {
         const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
         if (retryable && !signal?.aborted) this.down.set(current, Date.now());

@@ -119,6 +119,8 @@ function describeProgress(p: Progress): string {
     `  reward per step: ${rewardCurve(p.rewardHistory)}`,
     `  groups: ${p.inflight} running, ${p.ready} ready; dropped ${p.dropped.stale} stale, ${p.dropped.empty} empty`,
     `  ${p.paused ? 'PAUSED; ' : ''}settings: ${describeSettings(p.settings)}`,
+    ...Object.entries(p.pools ?? {}).map(([name, pool]) => `  pool ${name}: ${pool.model} x${pool.count} (${pool.backend}), `
+      + `${p.lastMetrics[`pool/${name}/calls`] ?? 0} calls in the last step`),
     `  last metrics: ${JSON.stringify(p.lastMetrics)}`,
   ].join('\n');
 }
@@ -221,7 +223,9 @@ for (const name of ['start', 'dev'] as const) {
       }
       if (name === 'start') return startRun(await connect(), recipeDir, config, runId, !!opts.follow);
       // dev: a local stack (Temporal dev server + UI, engines, actor, worker) for this one run.
-      await withDevStack({ model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size },
+      await withDevStack({
+        model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size, pools: config.pools,
+      },
         async (stack) => startRun(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233'), recipeDir, config, runId, true));
     });
 }

@@ -6,7 +6,7 @@ import * as path from 'node:path';
 import type { Client } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import type { Command } from 'commander';
-import { REPO_ROOT, resolveModelDir } from '../agents/recipe';
+import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import { descendants, killTree, startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
 import { runWorkflowId, trainRun, type TrainRunInput } from '../workflows/train-run';
 import { connect } from './command';
@@ -31,12 +31,14 @@ const running = (p: StackRecord['processes'][number]) => cmdline(p.pid) === p.cm
 // `dev`: a stack for one run (fresh ports; the stack's Temporal database in .molt/stack keeps the
 // history). Runs an earlier `dev` left are terminated at start (see endLeftoverRuns). Ctrl-C or
 // SIGTERM at any moment, also during the start, stops every process of it (stopStacksOnSignals).
-export async function withDevStack<T>(opts: { model: string; engines: number; actorWorldSize: number },
+export async function withDevStack<T>(
+  opts: { model: string; engines: number; actorWorldSize: number; pools?: RecipeConfig['pools'] },
   fn: (stack: Stack) => Promise<T>): Promise<T> {
   stopStacksOnSignals((signal) => console.error(`\n${signal}: stopping the stack (molt-client resume <runId> continues the run on a later stack)`));
   const stack = await startStack({
     modelDir: resolveModelDir(opts.model), engines: opts.engines, actorWorldSize: opts.actorWorldSize,
     stateDir: process.env.MOLT_STACK_DIR, endLeftoverRuns: true,
+    pools: Object.fromEntries(Object.entries(opts.pools ?? {}).map(([name, p]) => [name, { ...p, modelDir: resolveModelDir(p.model) }])),
   });
   try {
     return await fn(stack);

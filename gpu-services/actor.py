@@ -302,7 +302,10 @@ class Actor:
         staleness = (self.version - versions)[sampled > 0]  # versions behind, per sampled token
         # Invariant 3 is about tokens sampled at the actor's own version: their rollout logprobs must equal ours.
         fresh = (mask > 0) & (versions == self.version)  # [N,T]
-        advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp)  # [N,T]
+        teacher_logp = None  # [N,T] the teacher pool's logprobs of the sampled tokens, when every segment has them
+        if all(s.teacher_logp is not None for s in segments):
+            teacher_logp = pad_right([s.teacher_logp for s in segments]).to(dev)
+        advantages = episode_advantages(algo, segments, mask, old_logp, ref_logp, teacher_logp)  # [N,T]
         total_tokens = max(mask.sum().item(), 1.0)  # token means of the metrics, over all ranks
         divisor = loss_divisor(algo, mask)  # [N,1] from the whole step: every rank has the batch
 
@@ -370,6 +373,8 @@ class Actor:
             "time/optimizer": t_end - t_fb,
             "time/total": load_s + t_end - t_start,
         }
+        if teacher_logp is not None:  # the student's reverse KL to the teacher, k1 per sampled token
+            metrics["distill/reverse_kl"] = (((old_logp - teacher_logp) * sampled).sum() / sampled.sum().clamp(min=1)).item()
         if routes is not None:
             # fraction of recorded sampled tokens whose own top-k (actor, current weights) equals the engine's at
             # every layer; the agreement at input position t-1 is token t's
@@ -577,10 +582,11 @@ def episode_rewards(segments: list[Segment]) -> dict[tuple[int, int], float]:
 
 
 def episode_advantages(algo: AlgoConfig, segments: list[Segment], mask: torch.Tensor, old_logp: torch.Tensor,
-                       ref_logp: torch.Tensor | None) -> torch.Tensor:
+                       ref_logp: torch.Tensor | None, teacher_logp: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages [N,T] per segment row, computed over episodes: the segments of one episode (group, episode) are
     joined in segment order into one row, so an episode is one sample of its group (counted once) and returns
-    flow across its segments; the result is split back into segment rows."""
+    flow across its segments; the result is split back into segment rows. on_policy_distill's teacher is the
+    teacher pool's scores stored with the trajectories (teacher_logp), else the reference model (--ref-model)."""
     episodes: dict[tuple[int, int], list[int]] = {}
     for i in sorted(range(len(segments)), key=lambda i: segments[i].segment):
         episodes.setdefault((segments[i].group, segments[i].episode), []).append(i)
@@ -592,7 +598,9 @@ def episode_advantages(algo: AlgoConfig, segments: list[Segment], mask: torch.Te
 
     rewards = torch.tensor([segments[episodes[k][0]].reward for k in keys], dtype=torch.float32, device=mask.device)
     group_ids = torch.tensor([k[0] for k in keys], dtype=torch.long, device=mask.device)
-    if ref_logp is None:
+    if algo.advantage == "on_policy_distill" and teacher_logp is not None:
+        extra = dict(teacher_logp=joined(teacher_logp), student_logp=joined(old_logp))
+    elif ref_logp is None:
         extra = {}
     elif algo.advantage == "on_policy_distill":
         extra = dict(teacher_logp=joined(ref_logp), student_logp=joined(old_logp))
@@ -646,9 +654,6 @@ def build_app(actor: Actor, token: str | None):
             if done is not None:
                 return done
             algo = req.algo
-            if actor.ref is None and (algo.kl_coef > 0 or algo.advantage == "on_policy_distill"):
-                raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
-                                         f"reference model: start the actor with --ref-model")
             t0 = time.time()
             try:
                 segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
@@ -657,6 +662,11 @@ def build_app(actor: Actor, token: str | None):
                     check_placeholders(actor.model, s.tokens.tolist(), s.images, f"trajectory {s.ref!r}")
             except ValueError as e:
                 raise HTTPException(400, str(e))
+            scored = all(s.teacher_logp is not None for s in segments)
+            if actor.ref is None and (algo.kl_coef > 0 or algo.advantage == "on_policy_distill" and not scored):
+                raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
+                                         f"reference model (start the actor with --ref-model) or, for distillation, "
+                                         f"trajectories scored by a teacher pool (recipe key `teacher`)")
             metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
             return applied(req.run_id, req.step, metrics)
 

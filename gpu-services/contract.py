@@ -119,6 +119,16 @@ class VersionResponse(Strict):
     version: int
 
 
+class ScoreRequest(Strict):
+    """Teacher scoring: log p(token_ids[t] | token_ids[:t]) of exactly these ids under plain softmax."""
+    token_ids: list[int] = Field(min_length=2)
+
+
+class ScoreResponse(Strict):
+    logprobs: list[float]  # [t] for each position; [0] = 0 (no context)
+    version: int
+
+
 # ----------------------------------------------------------------------------- actor
 
 class RolloutCorrection(Strict):
@@ -274,7 +284,8 @@ class ErrorResponse(Strict):
 
 
 ALL = [SamplingParams, GenerateRequest, GenerateChunk, GenerateResponse, ImageRequest, ImageResponse, EngineHealth, PauseRequest,
-       AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, AlgoConfig,
+       AbortRequest, WeightReceiveRequest, WeightLoadRequest, VersionResponse, ScoreRequest, ScoreResponse,
+       AlgoConfig,
        TrainStepRequest, SftExample, SftStepRequest, TrainStepResponse, PushWeightsRequest, PushWeightsResponse,
        CheckpointRequest, InitRequest, CheckpointResponse, LogprobsRequest, LogprobsResponse, ActorHealth, ErrorResponse]
 

@@ -4,7 +4,7 @@
         [--backend torch] [--dtype float32] [--device auto] [--max-batch 64] [--keep-stale-kv] [--name NAME]
 
 The server holds no tensors: it validates bodies and forwards to a backend object with the methods
-submit, health, pause, resume, abort, receive_weights, load_weights, process_image (torch_engine.TorchEngine;
+submit, health, pause, resume, abort, receive_weights, load_weights, process_image, and optionally score (torch_engine.TorchEngine;
 a `vllm` backend will offer the same methods).
 """
 import argparse
@@ -17,7 +17,8 @@ from fastapi.responses import StreamingResponse
 
 from common import service_app, token_from_env
 from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
-                      ImageResponse, PauseRequest, VersionResponse, WeightLoadRequest, WeightReceiveRequest)
+                      ImageResponse, PauseRequest, ScoreRequest, ScoreResponse, VersionResponse, WeightLoadRequest,
+                      WeightReceiveRequest)
 
 
 def build_app(backend, token: str | None) -> FastAPI:
@@ -56,6 +57,16 @@ def build_app(backend, token: str | None) -> FastAPI:
             return ImageResponse(**backend.process_image(req))
         except ValueError as e:
             raise HTTPException(400, str(e))
+
+    @app.post("/score")
+    def score(req: ScoreRequest) -> ScoreResponse:
+        if not hasattr(backend, "score"):
+            raise HTTPException(400, f"/score: the {type(backend).__name__} backend cannot score token ids")
+        try:
+            logprobs, version = backend.score(req.token_ids)
+        except ValueError as e:
+            raise HTTPException(400, str(e))
+        return ScoreResponse(logprobs=logprobs, version=version)
 
     @app.post("/pause")
     def pause(req: PauseRequest | None = None) -> dict:

@@ -22,7 +22,7 @@ asked for them. They come from the forward that sampled the token, so across a w
 the experts of its own version. Models without routers get no hooks.
 
 The HTTP server (engine.py) talks to this class only through: submit, health, pause, resume, abort,
-receive_weights, load_weights.
+receive_weights, load_weights, score.
 """
 import asyncio
 import contextlib
@@ -179,6 +179,18 @@ class TorchEngine:
         grid = tensors["image_grid_thw"]
         merge = self.model.config.vision_config.spatial_merge_size
         return {"path": save_image(req.dir, tensors), "grid_thw": grid[0].tolist(), "tokens": int(grid.prod()) // merge ** 2}
+
+    def score(self, token_ids: list[int]) -> tuple[list[float], int]:
+        """Teacher scoring: log p(token_ids[t] | token_ids[:t]) under the plain softmax, [0] = 0; one forward,
+        between scheduler steps. Returns (logprobs, weight version)."""
+        if len(token_ids) > self.max_len or min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            raise ValueError(f"score: token_ids must be at most {self.max_len} ids in [0, {self.vocab_size})")
+        ids = torch.tensor([token_ids], device=self.device)  # [1, T]
+        with self._model_lock, torch.no_grad():
+            logits = self.model(input_ids=ids).logits[0, :-1].float()  # [T-1, V]
+            version = self.version
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]  # [T-1]
+        return [0.0] + logp.tolist(), version
 
     def pause(self, mode: str) -> None:
         """keep: stop stepping, hold in-flight requests. abort: also end them with 'abort'.

@@ -3,7 +3,8 @@
 One safetensors file per episode segment:
   tensors  tokens int32 [T] (prompt, sampled and observation tokens), logprobs float32 [T] (rollout logprob,
            0 where not sampled), versions int32 [T] (-1 where not sampled), loss_mask uint8 [T] (1 = sampled,
-           trained), optional routed_experts int16 [T, layers, top_k] (MoE: the experts of the engine's forward
+           trained), optional teacher_logprobs float32 [T] (on-policy distillation: log p_teacher of each sampled
+           token given the tokens before it, 0 elsewhere), optional routed_experts int16 [T, layers, top_k] (MoE: the experts of the engine's forward
            that produced token t's logits, i.e. at position t-1; rows of -1 where there is no record)
   metadata format="molt-trajectory-v1", run, group, episode, segment, reward, finish (all strings), and
            sha256: hex digest of the data part of the file (everything after the header), checked here; optional
@@ -31,6 +32,7 @@ class Segment:
     versions: torch.Tensor  # long [T]
     loss_mask: torch.Tensor  # float32 [T], 0/1
     routed_experts: torch.Tensor | None  # long [T, layers, top_k]: the experts that produced each token, -1: none
+    teacher_logp: torch.Tensor | None  # float32 [T]: the teacher pool's logprob of each sampled token
     group: int
     episode: int
     segment: int
@@ -67,6 +69,10 @@ def load_segment(store_root: str, ref: str) -> Segment:
         raise ValueError(f"trajectory {ref!r}: tokens, logprobs, versions, loss_mask must have one equal length >= 2")
     if tensors["loss_mask"][0]:
         raise ValueError(f"trajectory {ref!r}: loss_mask[0] is set, but the first token has no context to predict it")
+    teacher = tensors.get("teacher_logprobs")
+    if teacher is not None and (teacher.dtype != torch.float32 or list(teacher.shape) != [T]):
+        raise ValueError(f"trajectory {ref!r}: teacher_logprobs must be float32 [T={T}], got {teacher.dtype} "
+                         f"{list(teacher.shape)}")
     routed = tensors.get("routed_experts")
     if routed is not None and (routed.dim() != 3 or routed.shape[0] != T):
         raise ValueError(f"trajectory {ref!r}: routed_experts must be [T={T}, layers, top_k], got {list(routed.shape)}")
@@ -82,7 +88,7 @@ def load_segment(store_root: str, ref: str) -> Segment:
     images = [load_image(str(Path(store_root) / r), f"trajectory {ref!r}") for r in image_refs]
     return Segment(ref=ref, tokens=tensors["tokens"].long(), rollout_logp=tensors["logprobs"],
                    versions=tensors["versions"].long(), loss_mask=tensors["loss_mask"].float(),
-                   routed_experts=None if routed is None else routed.long(),
+                   routed_experts=None if routed is None else routed.long(), teacher_logp=teacher,
                    group=group, episode=episode, segment=segment, reward=reward, images=images)
 
 

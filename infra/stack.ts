@@ -22,6 +22,8 @@ export interface StackOptions {
   workers?: boolean; // start the worker process (default true)
   engineArgs?: string[];
   actorArgs?: string[];
+  // A recipe's other engine pools (`pools`: judge, teacher): engines named pool-<name>-<i>, never refit.
+  pools?: Record<string, { modelDir: string; count: number; backend?: string }>;
   // Pin the engines and the actor to these CPUs (taskset lists, e.g. '0' and '1'), as each has its
   // own GPU on a cluster; the benchmarks use it to compare loops on separate compute.
   cpus?: { engines: string; actor: string };
@@ -36,6 +38,7 @@ export interface Stack {
   temporalAddress: string;
   uiUrl: string | null;
   engines: string[];
+  pools: Record<string, string[]>; // pool name -> its engine URLs
   actor: string;
   token: string;
   storeRoot: string;
@@ -279,29 +282,32 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     }
 
     const engineCount = opts.engines ?? 1;
-    const engines: string[] = [];
+    const poolSpecs = Object.entries(opts.pools ?? {});
+    const [actorPort, ...enginePorts] = await freePorts(engineCount + 1 + poolSpecs.reduce((n, [, p]) => n + p.count, 0));
     const ready: Promise<void>[] = [];
-    const [actorPort, ...enginePorts] = await freePorts(engineCount + 1);
-    for (let i = 0; i < engineCount; i++) {
-      const port = enginePorts[i];
+    const startEngines = (prefix: string, count: number, args: string[]) => Array.from({ length: count }, (_, i) => {
+      const port = enginePorts.shift()!;
       const url = `http://127.0.0.1:${port}`;
-      engines.push(url);
-      ready.push(launch(`engine-${i}`, path.join(VENV_BIN, 'python'),
-        ['gpu-services/engine.py', '--model', opts.modelDir, '--port', String(port), '--name', `engine-${i}`, ...(opts.engineArgs ?? [])],
+      ready.push(launch(`${prefix}-${i}`, path.join(VENV_BIN, 'python'),
+        ['gpu-services/engine.py', '--port', String(port), '--name', `${prefix}-${i}`, ...args],
         {}, () => healthy(url, token), opts.cpus?.engines).ready());
-    }
+      return url;
+    });
+    const engines = startEngines('engine', engineCount, ['--model', opts.modelDir, ...(opts.engineArgs ?? [])]);
+    const pools = Object.fromEntries(poolSpecs.map(([name, p]) => [name, startEngines(`pool-${name}`, p.count,
+      ['--model', p.modelDir, '--backend', p.backend ?? 'torch'])]));
     const actor = `http://127.0.0.1:${actorPort}`;
     ready.push(launch('actor', path.join(VENV_BIN, 'python'), ['-m', 'torch.distributed.run', '--standalone',
       `--nproc-per-node=${opts.actorWorldSize ?? 1}`, 'gpu-services/actor.py', '--model', opts.modelDir,
       '--port', String(actorPort), '--state-dir', path.join(stateDir, 'actor'), ...(opts.actorArgs ?? [])],
       {}, () => healthy(actor, token), opts.cpus?.actor).ready());
     await Promise.all(ready);
-    say(`engines ${engines.join(' ')}; actor ${actor}`);
+    say(`engines ${engines.join(' ')}; actor ${actor}${poolSpecs.length ? `; pools ${JSON.stringify(pools)}` : ''}`);
 
     const startWorker = async (name: string, queues: string, engineUrls = engines) => {
       const log = path.join(logDir, `${name}.log`);
       const launched = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
-        MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engineUrls.join(','), MOLT_ACTOR: actor,
+        MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engineUrls.join(','), MOLT_POOLS: JSON.stringify(pools), MOLT_ACTOR: actor,
         MOLT_STORE: storeRoot, MOLT_QUEUES: queues,
       }, async (logFrom) => readFrom(log, logFrom).includes('worker ready'));
       await launched.ready();
@@ -312,7 +318,7 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
     // the heavier bench workload: 17 instead of 24 worker CPU seconds, and a shorter step.
     if (opts.workers ?? true) await Promise.all([startWorker('worker', 'molt-control,molt-actor'), startWorker('rollout', 'molt-rollout')]);
 
-    return { temporalAddress, uiUrl, engines, actor, token, storeRoot, stateDir, processes, startWorker, restart, stop };
+    return { temporalAddress, uiUrl, engines, pools, actor, token, storeRoot, stateDir, processes, startWorker, restart, stop };
   } catch (err) {
     await stop();
     throw err;

@@ -2,7 +2,7 @@
 // rollout activity, molt-actor the actor's activities. One process may serve any subset of the
 // queues, so the stack can run (and kill) a rollout worker on its own. As a program:
 // `tsx infra/worker.ts`: Temporal from its environment configuration (infra/temporal-config.ts), the
-// services from a placement file (MOLT_PLACEMENT) and/or the variables MOLT_ENGINES, MOLT_ACTOR,
+// services from a placement file (MOLT_PLACEMENT) and/or the variables MOLT_ENGINES, MOLT_POOLS (JSON), MOLT_ACTOR,
 // MOLT_STORE, MOLT_TOKEN, which override it field by field (the local stack sets them per process).
 import * as fs from 'node:fs';
 import * as path from 'node:path';
@@ -63,10 +63,20 @@ function parseQueues(value: string | undefined): QueueName[] {
 }
 
 // Where the services are, one file for every worker of a cluster (paths relative to the file):
-//   {"engines": ["http://10.0.0.5:8100"], "actor": "http://10.0.0.7:8200", "store": "/shared/runs", "token_file": "/etc/molt/token"}
+//   {"engines": ["http://10.0.0.5:8100"], "actor": "http://10.0.0.7:8200", "store": "/shared/runs", "token_file": "/etc/molt/token",
+//    "pools": {"judge": ["http://10.0.0.6:8100"]}}   (pools: a recipe's other engine pools, never refit)
+const Pools = z.record(z.string(), z.array(z.url()));
 const Placement = z.strictObject({
   engines: z.array(z.url()).optional(), actor: z.url().optional(), store: z.string().optional(), token_file: z.string().optional(),
+  pools: Pools.optional(),
 });
+function parsePools(value: string): Record<string, string[]> {
+  let json: unknown;
+  try { json = JSON.parse(value); } catch { /* reported below */ }
+  const parsed = Pools.safeParse(json);
+  if (!parsed.success) throw new Error(`MOLT_POOLS: expected JSON {"<pool>": ["http://...", ...]}, got ${value}`);
+  return parsed.data;
+}
 export function readPlacement(file: string): z.infer<typeof Placement> {
   let json: unknown;
   try {
@@ -88,6 +98,7 @@ async function main(): Promise<void> {
   const placed = env.MOLT_PLACEMENT ? readPlacement(env.MOLT_PLACEMENT) : {};
   const endpoints: ServiceEndpoints = {
     engines: env.MOLT_ENGINES !== undefined ? env.MOLT_ENGINES.split(',').map((u) => u.trim()).filter(Boolean) : placed.engines ?? [],
+    pools: env.MOLT_POOLS !== undefined ? parsePools(env.MOLT_POOLS) : placed.pools ?? {},
     actor: env.MOLT_ACTOR ?? placed.actor ?? '',
     token: env.MOLT_TOKEN ?? (placed.token_file ? fs.readFileSync(placed.token_file, 'utf8').trim() : ''),
     storeRoot: path.resolve(env.MOLT_STORE ?? placed.store ?? 'runs'),

@@ -19,8 +19,11 @@ export function stepMetrics(o: {
   const tokens = o.batch.reduce((n, g) => n + g.tokens, 0);
   const seconds = (from: number, to: number) => Math.max(0, (to - from) / 1000);
   const stepSeconds = seconds(o.lastStepAt, o.times.refitted);
+  const summed: Record<string, number> = {}; // agent/<name>, pool/<name>/calls|seconds: sums over the batch
+  for (const [k, v] of o.batch.flatMap((g) => Object.entries(g.metrics ?? {}))) summed[k] = (summed[k] ?? 0) + v;
   return {
     ...o.actor,
+    ...summed,
     'rollout/reward_mean': mean,
     'rollout/reward_std': std,
     'rollout/pass_rate': rewards.filter((r) => r >= 1).length / rewards.length, // episodes with full reward

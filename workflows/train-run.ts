@@ -47,6 +47,7 @@ export interface Progress {
   settings: Record<LiveSetting, number>; // the live settings the next step uses
   checkpoint: { step: number; path: string } | null; // the latest
   liveFrom: number; // groups with this index or above may still be trained (store GC keeps them)
+  pools: RecipeConfig['pools']; // the recipe's other engine pools (judge, teacher)
 }
 export interface Dropped { stale: number; empty: number }
 
@@ -225,7 +226,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       inflight: inflight.size, ready: run.ready.length, rewardMean: run.rewardMean, rewardHistory: run.rewardHistory,
       tokensPerSecond: elapsedSeconds > 0 ? run.tokens / elapsedSeconds : 0, elapsedSeconds,
       lastMetrics: run.lastMetrics, dropped: run.dropped, state, paused: run.paused, waitingFor, settings: currentSettings(config),
-      checkpoint: run.checkpoint, liveFrom: liveFrom(),
+      checkpoint: run.checkpoint, liveFrom: liveFrom(), pools: config.pools,
     };
   });
 

@@ -1,0 +1,52 @@
+// The copy task rewarded by a judge model instead of code: the policy answers `copy abd>`, and the judge pool
+// (recipe key `pools.judge`: the tiny architecture with other weights, e.g. recipes/distill/make_teacher.py
+// --task judge) is asked the rubric prompt `judge <answer>=<target>>` and answers the number of matching
+// positions. Its answer is parsed robustly (parseJudgeScore); one that holds no score gets reward 0 and is
+// counted in the metric agent/judge_unparsed (agent/judge_calls counts the judged episodes).
+import type { Env, EnvAgentRunner, EnvTask, Pools } from '../../agents/contract';
+import { resolveModelDir } from '../../agents/recipe';
+import { tokenizerFor } from '../../agents/tokenizer';
+import { copyTarget } from '../copy/agent';
+
+// The first integer in the answer, read as a score out of `max` (e.g. "2", " 2/3", "score: 2"); null when the
+// answer holds none or a number above max. Only ASCII digits count ('³' is not a 3).
+export function parseJudgeScore(answer: string, max: number): number | null {
+  const match = /(?<![0-9])([0-9]+)/.exec(answer);
+  if (!match) return null;
+  const score = Number(match[1]);
+  return score <= max ? score / max : null;
+}
+
+function createEnv(settings: Record<string, unknown>, episode?: { pools: Pools }): Env {
+  const judge = episode?.pools.judge;
+  if (!judge) throw new Error('recipes/judge needs a pool named judge (recipe key pools.judge)');
+  const letters = String(settings.letters ?? 'abcd');
+  const length = Number(settings.length ?? 3);
+  // The judge's tokenizer: its model directory's (the tiny byte tokenizer unless set)
+  const tokenizer = tokenizerFor(resolveModelDir(String(settings.judge_tokenizer ?? 'tiny')));
+  let target = '';
+  let seed = 0;
+  return {
+    reset(task: EnvTask) {
+      target = copyTarget(task.seed, letters, length);
+      seed = task.seed ^ task.episode;
+      return { observation: `copy ${target}>` };
+    },
+    async step(action) {
+      const reply = await judge.generate({
+        prompt_token_ids: tokenizer.encode(`judge ${action.text}=${target}>`),
+        sampling: {
+          max_tokens: Number(settings.judge_max_tokens ?? 2), temperature: Number(settings.judge_temperature ?? 0),
+          top_p: 1, top_k: 0, stop_token_ids: [], seed,
+        },
+      });
+      const score = parseJudgeScore(tokenizer.decode(reply.token_ids), length);
+      return {
+        reward: score ?? 0, terminated: true, truncated: false,
+        metrics: { judge_calls: 1, judge_unparsed: score === null ? 1 : 0 },
+      };
+    },
+  };
+}
+
+export const AgentRunner: EnvAgentRunner = { kind: 'env', createEnv };
