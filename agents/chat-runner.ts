@@ -16,7 +16,7 @@ export interface ChatContext {
   label?: unknown; // what the reward compares against
   sampling: Sampling;
   maxContext: number;
-  pools: Pools; // the recipe's other engine pools (judge, teacher), journaled with the episode
+  pools?: Pools; // the recipe's other engine pools (judge, teacher), journaled with the episode; set by the rollout
 }
 // metrics: numbers summed over the step's episodes into agent/<name> (e.g. a judge's unparseable answers)
 export interface ChatResult { reward: number; info?: Record<string, unknown>; metrics?: Record<string, number> }

@@ -17,7 +17,7 @@ import { progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type Progress } fr
 
 const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'distill');
 const PY = path.join(REPO_ROOT, '.venv', 'bin', 'python');
-const STEPS = 32;
+const STEPS = 28;
 
 let stack: Stack;
 let client: Client;
@@ -62,7 +62,7 @@ test('the student learns the copy task from the teacher pool alone: reverse KL f
     + `reward per step ${reward.map((x) => x.toFixed(3)).join(' ')}\n`
     + `teacher calls per step ${lines.map((m) => m['pool/teacher/calls']).join(' ')}, seconds per step `
     + `${lines.map((m) => m['pool/teacher/seconds'].toFixed(2)).join(' ')}, step seconds ${lines.map((m) => m['time/step'].toFixed(2)).join(' ')}`);
-  // Seen in a plain loop with these settings: KL ~7.5 -> ~5, reward ~0.005 -> ~0.25 within 30 steps.
+  // Seen in a plain loop with these settings: KL ~6.2 -> ~3.6, reward ~0.005 -> ~0.25 by step 20.
   expect(mean(kl.slice(-6))).toBeLessThan(mean(kl.slice(0, 4)) - 1);
   expect(mean(reward.slice(-6))).toBeGreaterThan(mean(reward.slice(0, 4)) + 0.1);
   // every sampled episode of a step was scored once by the teacher (batch.groups x group_size segments)
