@@ -189,6 +189,10 @@ async function reachable(engines: string[], token: string): Promise<{ live: [str
 // attempt may have pushed the weights and then failed to resume it (a connection reset on /resume).
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
   const { token } = endpoints;
+  for (const [name, urls] of Object.entries(endpoints.pools ?? {})) { // a judge's or teacher's weights are not the policy's
+    const pooled = input.engines?.find((e) => urls.includes(e));
+    if (pooled) throw ApplicationFailure.nonRetryable(`engine ${pooled} is in the recipe's pool ${name}: pools are never refit`, 'PoolEngine');
+  }
   const { live, missed } = await reachable(input.engines ?? endpoints.engines, token);
   const engines = live.filter(([, h]) => input.join || h.version !== input.version).map(([e]) => e);
   const paused = live.filter(([e, h]) => h.paused && !engines.includes(e)).map(([e]) => e);

@@ -70,7 +70,7 @@ const Placement = z.strictObject({
   engines: z.array(z.url()).optional(), actor: z.url().optional(), store: z.string().optional(), token_file: z.string().optional(),
   pools: Pools.optional(),
 });
-function parsePools(value: string): Record<string, string[]> {
+export function parsePools(value: string): Record<string, string[]> {
   let json: unknown;
   try { json = JSON.parse(value); } catch { /* reported below */ }
   const parsed = Pools.safeParse(json);

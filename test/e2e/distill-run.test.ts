@@ -13,6 +13,7 @@ import { callService, type EngineHealth } from '../../activities/gpu-client';
 import { readTrajectory } from '../../activities/store';
 import { loadRecipe, REPO_ROOT, resolveModelDir, type RecipeConfig } from '../../agents/recipe';
 import { startStack, type Stack } from '../../infra/stack';
+import { addEngineUpdate, enginesQuery } from '../../workflows/control';
 import { progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type Progress } from '../../workflows/train-run';
 
 const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'distill');
@@ -50,6 +51,11 @@ test('the student learns the copy task from the teacher pool alone: reverse KL f
   let progress: Progress | null = null;
   while (!progress) progress = await handle.query(progressQuery).catch(() => null);
   expect(progress.pools.teacher).toMatchObject({ model: teacherDir, count: 1, backend: 'torch' });
+  // The teacher's engine is not one of the run's (elastic) policy engines, and cannot be made one: it is never refit.
+  const messages = (e: unknown): string => (e instanceof Error ? `${e.message} / ${messages(e.cause)}` : '');
+  const added = await handle.executeUpdate(addEngineUpdate, { args: [stack.pools.teacher[0]] }).then(() => 'joined', messages);
+  expect(added).toContain(`engine ${stack.pools.teacher[0]} is in the recipe's pool teacher: pools are never refit`);
+  expect((await handle.query(enginesQuery)).serving).toEqual(stack.engines);
   await handle.result();
 
   const lines = fs.readFileSync(path.join(stack.storeRoot, runId, 'metrics.jsonl'), 'utf8').trim().split('\n')

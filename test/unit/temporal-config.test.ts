@@ -4,7 +4,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { temporalConfig } from '../../infra/temporal-config';
-import { readPlacement } from '../../infra/worker';
+import { parsePools, readPlacement } from '../../infra/worker';
 
 const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-tconf-'));
 const toml = path.join(dir, 'temporal.toml');
@@ -46,4 +46,15 @@ test('a placement file names the services; paths are relative to it; a bad field
   expect(() => readPlacement(file)).toThrow(`MOLT_PLACEMENT ${file}: engines.0:`);
   fs.writeFileSync(file, JSON.stringify({ engine: [] }));
   expect(() => readPlacement(file)).toThrow(/MOLT_PLACEMENT .*: .*engine/);
+});
+
+test("a recipe's other engine pools come from the placement file or MOLT_POOLS; a bad one is named", () => {
+  const file = path.join(dir, 'placement-pools.json');
+  fs.writeFileSync(file, JSON.stringify({ engines: ['http://10.0.0.5:8100'], pools: { judge: ['http://10.0.0.8:8100'] } }));
+  expect(readPlacement(file).pools).toEqual({ judge: ['http://10.0.0.8:8100'] });
+  fs.writeFileSync(file, JSON.stringify({ pools: { judge: ['10.0.0.8:8100'] } }));
+  expect(() => readPlacement(file)).toThrow(`MOLT_PLACEMENT ${file}: pools.judge.0:`);
+  expect(parsePools('{"teacher": ["http://10.0.0.9:8100"]}')).toEqual({ teacher: ['http://10.0.0.9:8100'] });
+  expect(() => parsePools('{"teacher": "http://10.0.0.9:8100"}')).toThrow('MOLT_POOLS: expected JSON {"<pool>": ["http://...", ...]}');
+  expect(() => parsePools('judge=http://10.0.0.9:8100')).toThrow('MOLT_POOLS: expected JSON');
 });
