@@ -1,11 +1,14 @@
 """Benchmark the torch engine against baselines run side by side in the same process tree:
 
 - generation: engine tokens/s with 1, 16, 64 concurrent requests (NEW_TOKENS each), against
-  transformers' batched `model.generate` on the same prompts (left-padded, sampling, same length);
+  transformers' batched `model.generate` on the same prompts (left-padded, sampling, same length), on the
+  tiny model and on a 33.7M one of the same family (--size); engine and baseline alternate, medians of --repeats;
+  --compare DIR also runs the engine of another gpu-services copy (e.g. main's, for before/after), interleaved;
 - refit: pause -> /weights/receive of the whole model -> resume, against a raw gloo broadcast of the
   same buckets between two processes (group set-up included in both).
 
-    python bench/engine.py [--model DIR] [--threads 1] [--out bench.json] [--smoke]
+    python bench/engine.py [--model DIR] [--size tiny|33.7M|all] [--threads 1] [--repeats 3] [--concurrency 1,16,64]
+                           [--no-refit] [--compare GPU_SERVICES_DIR] [--out bench.json] [--smoke]
 
 Without --model it makes the tiny test model in a temp dir. Prints a markdown table; ratios are
 engine / baseline (tokens/s: higher is better; refit seconds: lower is better).
@@ -16,6 +19,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,9 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_engine(model: str, threads: int) -> tuple[subprocess.Popen, httpx.Client]:
+def start_engine(model: str, threads: int, services: Path = GPU_SERVICES) -> tuple[subprocess.Popen, httpx.Client]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(GPU_SERVICES / "engine.py"), "--model", model,
+    proc = subprocess.Popen([sys.executable, str(services / "engine.py"), "--model", model,
                              "--port", str(port), "--token", TOKEN], env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
@@ -62,17 +66,34 @@ def start_engine(model: str, threads: int) -> tuple[subprocess.Popen, httpx.Clie
 
 
 def engine_tokens_per_s(url: str, prompts: list[list[int]]) -> float:
-    """All requests at once from one asyncio client (client threads would steal the engine's CPU)."""
-    async def run() -> int:
-        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300,
-                                     limits=httpx.Limits(max_connections=len(prompts))) as http:
-            async def one(i: int) -> int:
-                body = {"prompt_token_ids": prompts[i], "sampling": {"max_tokens": NEW_TOKENS, "seed": i}}
-                return len((await http.post("/generate", json=body)).json()["token_ids"])
-            return sum(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
-    start = time.perf_counter()
-    n = asyncio.run(run())
-    return n / (time.perf_counter() - start)
+    """All requests at once over connections opened before the clock starts (as a rollout worker keeps them),
+    written as raw HTTP/1.1 from one asyncio task: an httpx client spent more CPU per request than the engine
+    does, on the same 2 cores, and its slow trickle of requests was measured as the engine's."""
+    host, port = httpx.URL(url).host, httpx.URL(url).port
+
+    def request(i: int) -> bytes:
+        body = json.dumps({"prompt_token_ids": prompts[i], "sampling": {"max_tokens": NEW_TOKENS, "seed": i}}).encode()
+        return (f"POST /generate HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {TOKEN}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def tokens(reader: asyncio.StreamReader) -> int:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+        assert head.startswith("http/1.1 200"), head
+        length = int(head.split("content-length:")[1].split("\r\n")[0])
+        return len(json.loads(await reader.readexactly(length))["token_ids"])
+
+    async def run() -> float:
+        conns = [await asyncio.open_connection(host, port) for _ in prompts]
+        requests = [request(i) for i in range(len(prompts))]
+        start = time.perf_counter()
+        for (_, writer), req in zip(conns, requests):
+            writer.write(req)
+        n = sum(await asyncio.gather(*(tokens(reader) for reader, _ in conns)))
+        seconds = time.perf_counter() - start
+        for _, writer in conns:
+            writer.close()
+        return n / seconds
+    return asyncio.run(run())
 
 
 @torch.no_grad()
@@ -129,49 +150,92 @@ def raw_broadcast_seconds(model) -> float:
     return seconds
 
 
+SIZES = {"tiny": {}, "33.7M": {"hidden": 512, "layers": 8, "heads": 16}}  # make_tiny_model.make arguments
+
+
+def generation_rows(model_dir: str, a, prompts: list[list[int]]) -> list[dict]:
+    """Engine (and --compare engine) vs model.generate, alternating within each repeat; medians reported."""
+    model = load_causal_lm(model_dir, device=torch.device("cpu"))
+    pad_id = model.config.pad_token_id or 0
+    engines = {"engine": start_engine(model_dir, a.threads)}
+    if a.compare:
+        engines["compare"] = start_engine(model_dir, a.threads, Path(a.compare))
+    rows = []
+    try:
+        for _, http in engines.values():  # warm-up
+            engine_tokens_per_s(str(http.base_url), prompts[:4])
+        generate_tokens_per_s(model, prompts[:4], pad_id)
+        for n in a.concurrency:
+            runs: dict[str, list[float]] = {k: [] for k in [*engines, "baseline"]}
+            for _ in range(a.repeats):
+                for k, (_, http) in engines.items():
+                    runs[k].append(engine_tokens_per_s(str(http.base_url), prompts[:n]))
+                runs["baseline"].append(generate_tokens_per_s(model, prompts[:n], pad_id))
+            row = {"what": f"generate, {n} concurrent x {NEW_TOKENS} tokens (tokens/s)",
+                   **{k: statistics.median(v) for k, v in runs.items()}}
+            row["ratio"] = row["engine"] / row["baseline"]
+            if a.compare:
+                row["compare_ratio"] = row["compare"] / row["baseline"]
+            rows.append(row)
+    finally:
+        for proc, _ in engines.values():
+            proc.terminate()
+            proc.wait(timeout=30)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HF model dir (default: the tiny test model, made in a temp dir)")
+    p.add_argument("--model", help="HF model dir (default: the tiny test model and a 33.7M one, made in a temp dir)")
+    p.add_argument("--size", choices=[*SIZES, "all"], default="all", help="which made model(s) without --model")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the engine and for the baseline")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each measure (medians are reported)")
+    p.add_argument("--concurrency", default="1,16,64", help="comma-separated numbers of concurrent requests")
+    p.add_argument("--no-refit", action="store_true", help="generation only")
+    p.add_argument("--compare", help="also run the engine of this gpu-services dir (e.g. a copy of main's)")
     p.add_argument("--out", help="also write the figures as JSON here")
-    p.add_argument("--smoke", action="store_true", help="1 and 4 concurrent, one try each: checks it runs")
+    p.add_argument("--smoke", action="store_true", help="tiny model, 1 and 4 concurrent, one try each: checks it runs")
     a = p.parse_args()
+    a.concurrency = [1, 4] if a.smoke else [int(n) for n in a.concurrency.split(",")]
+    a.repeats = 1 if a.smoke else a.repeats
     torch.set_num_threads(a.threads)
     tmp = tempfile.TemporaryDirectory()
-    if a.model is None:
+    models = {"given": a.model} if a.model else {}
+    if not a.model:
         from make_tiny_model import make
-        a.model = str(make(str(Path(tmp.name) / "tiny"), seed=0))
-    model = load_causal_lm(a.model, device=torch.device("cpu"))
-    pad_id = model.config.pad_token_id or 0
+        for size in ["tiny"] if a.smoke else SIZES if a.size == "all" else [a.size]:
+            models[size] = str(make(str(Path(tmp.name) / size), seed=0, **SIZES[size]))
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(8, 24))] for _ in range(64)]
 
-    proc, http = start_engine(a.model, a.threads)
     rows = []
+    for name, model_dir in models.items():
+        for row in generation_rows(model_dir, a, prompts):
+            rows.append({**row, "what": f"{name}: {row['what']}"})
+    model_dir = next(iter(models.values()))
+    model = load_causal_lm(model_dir, device=torch.device("cpu"))
+    proc, http = start_engine(model_dir, a.threads) if not a.no_refit else (None, None)
     try:
-        engine_tokens_per_s(str(http.base_url), prompts[:4])  # warm-up
-        generate_tokens_per_s(model, prompts[:4], pad_id)
         tries = 1 if a.smoke else 3
-        for n in (1, 4) if a.smoke else (1, 16, 64):
-            # best of 3: the machine is shared, and noise only ever slows a run down
-            engine = max(engine_tokens_per_s(str(http.base_url), prompts[:n]) for _ in range(tries))
-            baseline = max(generate_tokens_per_s(model, prompts[:n], pad_id) for _ in range(tries))
-            rows.append({"what": f"generate, {n} concurrent x {NEW_TOKENS} tokens (tokens/s)",
-                         "engine": engine, "baseline": baseline, "ratio": engine / baseline})
-        refit = min(refit_seconds(http, model) for _ in range(tries))
-        raw = min(raw_broadcast_seconds(model) for _ in range(min(tries, 2)))
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        rows.append({"what": f"refit {nbytes / 1e6:.2f} MB (s): pause+receive+resume vs raw gloo broadcast on a ready group",
-                     "engine": refit, "baseline": raw, "ratio": refit / raw})
+        if not a.no_refit:
+            refit = min(refit_seconds(http, model) for _ in range(tries))
+            raw = min(raw_broadcast_seconds(model) for _ in range(min(tries, 2)))
+            nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+            rows.append({"what": f"refit {nbytes / 1e6:.2f} MB (s): pause+receive+resume vs raw gloo broadcast on a ready group",
+                         "engine": refit, "baseline": raw, "ratio": refit / raw})
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    print(f"model {a.model}, torch threads {a.threads}, baselines: transformers model.generate / raw gloo broadcast\n")
-    print("| measure | engine | baseline | ratio |\n| --- | ---: | ---: | ---: |")
+        if proc:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(f"models {models}, torch threads {a.threads}, baselines: transformers model.generate / raw gloo broadcast; "
+          f"medians of {a.repeats}\n")
+    extra = " | --compare engine | --compare ratio" if a.compare else ""
+    print(f"| measure | engine | baseline | ratio{extra} |\n| --- | ---: | ---: | ---:{' | ---: | ---:' if a.compare else ''} |")
     for r in rows:
-        print(f"| {r['what']} | {r['engine']:.4g} | {r['baseline']:.4g} | {r['ratio']:.2f} |")
+        more = f" | {r['compare']:.4g} | {r['compare_ratio']:.2f}" if "compare" in r else (" | | " if a.compare else "")
+        print(f"| {r['what']} | {r['engine']:.4g} | {r['baseline']:.4g} | {r['ratio']:.2f}{more} |")
     if a.out:
-        Path(a.out).write_text(json.dumps({"model": a.model, "threads": a.threads, "rows": rows}, indent=2))
+        Path(a.out).write_text(json.dumps({"models": models, "threads": a.threads, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,8 @@ def service_app(title: str, token: str | None) -> FastAPI:
     """A FastAPI app where every route needs `Authorization: Bearer <token>` (when a token is set)
     and every error is `{"error": "..."}` naming what was wrong."""
     app = FastAPI(title=title)
-
-    @app.middleware("http")
-    async def check_token(request: Request, call_next):
-        if token:
-            got = request.headers.get("authorization", "")
-            if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                return JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)
-        return await call_next(request)
+    if token:
+        app.add_middleware(BearerToken, expected=f"Bearer {token}".encode())
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(_request: Request, exc: RequestValidationError):
@@ -37,6 +31,20 @@ def service_app(title: str, token: str | None) -> FastAPI:
         return JSONResponse({"error": str(exc)}, status_code=507 if exc.errno == errno.ENOSPC else 500)
 
     return app
+
+
+class BearerToken:
+    """Plain ASGI, not @app.middleware("http"): Starlette's BaseHTTPMiddleware runs each request in a task group
+    over memory streams, which cost the engine more per request than a decode step."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send):
+        got = dict(scope.get("headers", [])).get(b"authorization", b"")
+        if scope["type"] == "http" and not hmac.compare_digest(got, self.expected):
+            return await JSONResponse({"error": "missing or wrong bearer token"}, status_code=401)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def write_error(e: BaseException, path) -> BaseException:

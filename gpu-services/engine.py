@@ -13,7 +13,7 @@ import traceback
 
 import uvicorn
 from fastapi import FastAPI, HTTPException
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from common import service_app, token_from_env
 from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
@@ -49,7 +49,9 @@ def build_app(backend, token: str | None) -> FastAPI:
             for key in out:
                 out[key] += ev[key]
             finish_reason = ev["finish_reason"]
-        return GenerateResponse(request_id=request_id, finish_reason=finish_reason, **out)
+        # serialized here: FastAPI's jsonable_encoder walks every list item in Python
+        return Response(GenerateResponse(request_id=request_id, finish_reason=finish_reason, **out).model_dump_json(),
+                        media_type="application/json")
 
     @app.post("/images")
     def images(req: ImageRequest) -> ImageResponse:

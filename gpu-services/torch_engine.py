@@ -29,11 +29,10 @@ import contextlib
 import random
 import threading
 import traceback
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,17 +48,23 @@ Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "fini
 #                 and "routed_experts": [[[expert id] * top_k] * layers] * tokens when the request asked}
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity
 class Sequence:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
     generator: torch.Generator  # per request: same seed -> same draws, whatever else is in the batch
-    deliver: Callable[[Event], None]  # thread-safe hand-off to the HTTP handler waiting on this request
+    loop: asyncio.AbstractEventLoop  # of the HTTP handler waiting on this request
+    events: asyncio.Queue  # its events, put there only on `loop` (see TorchEngine._flush)
+    stream: bool = False  # False: one event at the end, with every token
     return_routed_experts: bool = False
     images: list[dict] = field(default_factory=list)  # processed images (vision.load_image), in placeholder order
     rope_delta: int = 0  # M-RoPE: position of the next token minus its index (images take fewer positions)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # per token, as the tokens
+    versions: list[int] = field(default_factory=list)
+    routes: list = field(default_factory=list)  # per token [layers][top_k], when asked
+    sent: int = 0  # tokens already handed to the HTTP handler
     finish_reason: Optional[str] = None
 
     def context(self) -> list[int]:
@@ -81,11 +86,28 @@ def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return scaled.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
-def final_abort(seq: Sequence) -> Event:
-    event = {"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"}
+def take_event(seq: Sequence) -> Event:
+    """What seq has not handed over yet: its tokens since the last event, and the finish reason if it is done."""
+    start, seq.sent = seq.sent, len(seq.tokens)
+    event = {"token_ids": seq.tokens[start:], "logprobs": seq.logprobs[start:], "versions": seq.versions[start:],
+             "finish_reason": seq.finish_reason}
     if seq.return_routed_experts:
-        event["routed_experts"] = []
+        event["routed_experts"] = seq.routes[start:]
     return event
+
+
+def put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:  # on the HTTP handlers' event loop
+    for queue, event in items:
+        queue.put_nowait(event)
+
+
+def merge_events(first: Event, queue: asyncio.Queue) -> Event:
+    """first plus every event already waiting in queue, as one: a client slower than the engine gets one chunk
+    (one HTTP write) per read instead of one per token."""
+    while not first["finish_reason"] and not queue.empty():
+        ev = queue.get_nowait()
+        first = {key: first[key] + ev[key] if isinstance(ev[key], list) else ev[key] for key in ev}
+    return first
 
 
 class TorchEngine:
@@ -118,6 +140,8 @@ class TorchEngine:
         self._live: dict[str, Sequence] = {}  # every unfinished request, by id
         self._to_abort: set[str] = set()
         self._paused = False
+        self._rng = random.Random()  # seeded from os.urandom: request ids and seeds of unseeded requests
+        self._outbox: list[Sequence] = []  # sequences with an event to hand over at the end of the step
         # Owned by the scheduler step (under _model_lock):
         self._running: list[Sequence] = []  # rows of the batch cache, in order
         self._stale: list[Sequence] = []  # held sequences whose KV was dropped after a swap; prefilled next
@@ -141,16 +165,13 @@ class TorchEngine:
         check_placeholders(self.model, req.prompt_token_ids, images, "prompt_token_ids")
         if req.return_routed_experts and not self._routers:
             raise ValueError(f"return_routed_experts: model {self.name!r} has no MoE routers")
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        seed = req.sampling.seed if req.sampling.seed is not None else random.SystemRandom().getrandbits(63)
-
-        def deliver(ev: Event) -> None:
-            with contextlib.suppress(RuntimeError):  # the server's loop is already closed (shutdown)
-                loop.call_soon_threadsafe(events.put_nowait, ev)
-
-        seq = Sequence(request_id=req.request_id or uuid.uuid4().hex, prompt=list(req.prompt_token_ids),
-                       sampling=req.sampling, generator=torch.Generator().manual_seed(seed), deliver=deliver,
+        # a seeded Random, not uuid4/SystemRandom: their urandom call dropped the GIL, and the event loop waited
+        # for the busy scheduler thread to give it back (measured: 1.6 ms a request)
+        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(request_id=req.request_id or f"{self._rng.getrandbits(64):016x}",
+                       prompt=list(req.prompt_token_ids), sampling=req.sampling,
+                       generator=torch.Generator().manual_seed(seed), loop=asyncio.get_running_loop(),
+                       events=asyncio.Queue(), stream=req.stream,
                        return_routed_experts=req.return_routed_experts, images=images)
         with self._cv:
             if seq.request_id in self._live:
@@ -162,7 +183,7 @@ class TorchEngine:
         async def stream() -> AsyncIterator[Event]:
             try:
                 while True:
-                    ev = await events.get()
+                    ev = merge_events(await seq.events.get(), seq.events)
                     yield ev
                     if ev["finish_reason"]:
                         return
@@ -286,10 +307,11 @@ class TorchEngine:
             ids, self._to_abort = self._to_abort, set()
             for seq in [self._live[i] for i in ids if i in self._live]:
                 seq.finish_reason = "abort"
-                seq.deliver(final_abort(seq))
+                self._outbox.append(seq)
             self._waiting = deque(s for s in self._waiting if not s.finish_reason)
             self._stale = [s for s in self._stale if not s.finish_reason]
             self._drop_finished()
+            self._flush()  # before the notify: abort() and pause() return once the final events are handed over
             self._cv.notify_all()
 
     # ------------------------------------------------------------------ the scheduler
@@ -315,13 +337,25 @@ class TorchEngine:
                 except Exception:  # e.g. out of memory: end this batch's requests, keep serving
                     traceback.print_exc()
                     self._fail(self._running + admitted)
+                self._flush()
+
+    def _flush(self) -> None:
+        """Hand the step's events to their event loops, one call per loop: a call per token cost more than
+        the decode forward (each wakes the loop through a socket write)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for seq in dict.fromkeys(self._outbox):  # once each, in order
+            by_loop.setdefault(seq.loop, []).append((seq.events, take_event(seq)))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the server's loop is already closed (shutdown)
+                loop.call_soon_threadsafe(put_all, items)
 
     def _fail(self, seqs: list[Sequence]) -> None:
         with self._cv:
             for seq in seqs:
                 if not seq.finish_reason:
                     seq.finish_reason = "abort"
-                    seq.deliver(final_abort(seq))
+                    self._outbox.append(seq)
             self._running, self._cache, self._mask = [], None, None
             self._drop_finished()
 
@@ -391,15 +425,16 @@ class TorchEngine:
         logprobs = logp.gather(1, tokens[:, None])[:, 0]  # [B]
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             seq.tokens.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.version)
+            if seq.return_routed_experts:
+                seq.routes.append(routes[i])
             if token in seq.sampling.stop_token_ids:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.context()) >= self.max_len:
                 seq.finish_reason = "length"
-            event = {"token_ids": [token], "logprobs": [logprob], "versions": [self.version],
-                     "finish_reason": seq.finish_reason}
-            if seq.return_routed_experts:
-                event["routed_experts"] = [routes[i]]
-            seq.deliver(event)
+            if seq.stream or seq.finish_reason:
+                self._outbox.append(seq)
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the batch cache, left-padding the shorter side."""
