@@ -1,6 +1,7 @@
 """The torch engine as a real process over real HTTP: logprobs against a teacher-forced forward,
 continuous batching against one-at-a-time decoding, pause/abort, a weight push mid-request, a
 checkpoint load, and bad input."""
+import asyncio
 import contextlib
 import json
 import subprocess
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from conftest import GPU, PY, TOKEN, client, engine_server, free_port
 from common import load_causal_lm
-from contract import WeightReceiveRequest
+from contract import GenerateRequest, WeightReceiveRequest
 from weight_transfer import open_group, plan_buckets, send_bucket
 
 torch.set_num_threads(1)
@@ -128,6 +129,27 @@ def test_streaming_equals_non_streaming(engine):
     assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
     assert [x for c in chunks for x in c["logprobs"]] == whole["logprobs"]
     assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
+
+
+def test_events_come_in_chunks_not_one_per_token(tiny_model):
+    """In process (the HTTP layer writes one line per event): a non-streaming request gets one event with every
+    token; a streaming reader that falls behind gets every waiting token in one event, not one per token."""
+    from torch_engine import TorchEngine
+    eng = TorchEngine(str(tiny_model), torch.float32, torch.device("cpu"))
+
+    async def read_when_done(stream: bool) -> list[dict]:
+        req = GenerateRequest(prompt_token_ids=[1, 2, 3], stream=stream, sampling={"max_tokens": 20, "seed": 1})
+        _, events = eng.submit(req)
+        while eng.health()["load"] != {"running": 0, "waiting": 0}:
+            await asyncio.sleep(0.02)
+        with eng._model_lock:  # the scheduler hands events over before it lets go of the lock
+            pass
+        await asyncio.sleep(0)  # run the hand-off on this loop
+        return [ev async for ev in events]
+    for stream in (False, True):
+        events = asyncio.run(read_when_done(stream))
+        assert [(len(e["token_ids"]), len(e["logprobs"]), len(e["versions"]), e["finish_reason"]) for e in events] == \
+            [(20, 20, 20, "length")], f"stream={stream}"
 
 
 LONG = {"prompt_token_ids": [1, 2, 3], "stream": True, "sampling": {"max_tokens": 1000, "seed": 5}}
