@@ -12,7 +12,7 @@
 import { spawnSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import { loadRecipe, REPO_ROOT, resolveModelDir } from '../agents/recipe';
+import { loadRecipe, REPO_ROOT } from '../agents/recipe';
 import { plainLoop, RECIPE_DIR, temporalLoop, type LoopResult } from './loops';
 import { partialRollouts, type PartialOptions, type PartialResult } from './partial';
 import { orchestrationScale, type ScaleRow } from './scale';
@@ -25,7 +25,7 @@ const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor((xs.le
 
 function engineBench(smoke: boolean): { markdown: string; json: unknown } {
   const out = path.join(OUT_DIR, 'engine.json');
-  const res = spawnSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['bench/engine.py', '--model', resolveModelDir('tiny'), '--out', out, ...(smoke ? ['--smoke'] : [])],
+  const res = spawnSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['bench/engine.py', '--out', out, ...(smoke ? ['--smoke'] : [])],
     { cwd: REPO_ROOT, encoding: 'utf8', env: { ...process.env, OMP_NUM_THREADS: '1' } });
   if (res.status !== 0) throw new Error(`bench/engine.py failed:\n${res.stderr}`);
   return { markdown: res.stdout, json: JSON.parse(fs.readFileSync(out, 'utf8')) };

@@ -10,7 +10,8 @@ are the engine's whole point for RL, so the scheduler below is our own, kept sma
   sequence (a left-padded KV cache shared by the batch, attention mask, per-sequence position ids)
   -> one left-padded prefill forward over newly admitted sequences -> sample one token per
   sequence with its own torch.Generator -> merge the new sequences' KV into the batch -> drop
-  finished ones.
+  finished ones -> hand the step's events to the HTTP event loop in one call (streaming requests get
+  their new tokens, the others one event when they finish).
 
 Weights change only under `_model_lock`, which the thread holds for a whole step, so a swap never
 lands mid-forward, and every token records the version it was sampled under. After a swap the
