@@ -65,10 +65,17 @@ def start_engine(model: str, threads: int, services: Path = GPU_SERVICES) -> tup
     sys.exit("engine did not become healthy")
 
 
-def engine_tokens_per_s(url: str, prompts: list[list[int]]) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_tokens_per_s(url: str, prompts: list[list[int]], pid: int) -> tuple[float, float]:
     """All requests at once over connections opened before the clock starts (as a rollout worker keeps them),
     written as raw HTTP/1.1 from one asyncio task: an httpx client spent more CPU per request than the engine
-    does, on the same 2 cores, and its slow trickle of requests was measured as the engine's."""
+    does, on the same 2 cores, and its slow trickle of requests was measured as the engine's.
+    Returns (tokens per second, tokens per CPU-second of the engine process)."""
     host, port = httpx.URL(url).host, httpx.URL(url).port
 
     def request(i: int) -> bytes:
@@ -85,26 +92,28 @@ def engine_tokens_per_s(url: str, prompts: list[list[int]]) -> float:
     async def run() -> float:
         conns = [await asyncio.open_connection(host, port) for _ in prompts]
         requests = [request(i) for i in range(len(prompts))]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), cpu_seconds(pid)
         for (_, writer), req in zip(conns, requests):
             writer.write(req)
         n = sum(await asyncio.gather(*(tokens(reader) for reader, _ in conns)))
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
         for _, writer in conns:
             writer.close()
-        return n / seconds
+        return n / seconds, n / max(cpu, 1e-9)
     return asyncio.run(run())
 
 
 @torch.no_grad()
-def generate_tokens_per_s(model, prompts: list[list[int]], pad_id: int) -> float:
+def generate_tokens_per_s(model, prompts: list[list[int]], pad_id: int) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU-second of this process)."""
     L = max(len(p) for p in prompts)
     input_ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in prompts])  # [B, L], left-padded
     mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=True, max_new_tokens=NEW_TOKENS,
                          min_new_tokens=NEW_TOKENS, pad_token_id=pad_id)
-    return (out.shape[0] * (out.shape[1] - L)) / (time.perf_counter() - start)
+    n = out.shape[0] * (out.shape[1] - L)
+    return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
 
 
 def refit_seconds(http: httpx.Client, model) -> float:
@@ -154,7 +163,8 @@ SIZES = {"tiny": {}, "33.7M": {"hidden": 512, "layers": 8, "heads": 16}}  # make
 
 
 def generation_rows(model_dir: str, a, prompts: list[list[int]]) -> list[dict]:
-    """Engine (and --compare engine) vs model.generate, alternating within each repeat; medians reported."""
+    """Engine (and --compare engine) vs model.generate, alternating within each repeat; medians reported, of
+    tokens/s and of tokens per CPU-second (steadier than wall time on a shared machine)."""
     model = load_causal_lm(model_dir, device=torch.device("cpu"))
     pad_id = model.config.pad_token_id or 0
     engines = {"engine": start_engine(model_dir, a.threads)}
@@ -162,20 +172,22 @@ def generation_rows(model_dir: str, a, prompts: list[list[int]]) -> list[dict]:
         engines["compare"] = start_engine(model_dir, a.threads, Path(a.compare))
     rows = []
     try:
-        for _, http in engines.values():  # warm-up
-            engine_tokens_per_s(str(http.base_url), prompts[:4])
+        for proc, http in engines.values():  # warm-up
+            engine_tokens_per_s(str(http.base_url), prompts[:4], proc.pid)
         generate_tokens_per_s(model, prompts[:4], pad_id)
         for n in a.concurrency:
-            runs: dict[str, list[float]] = {k: [] for k in [*engines, "baseline"]}
+            runs: dict[str, list[tuple[float, float]]] = {k: [] for k in [*engines, "baseline"]}
             for _ in range(a.repeats):
-                for k, (_, http) in engines.items():
-                    runs[k].append(engine_tokens_per_s(str(http.base_url), prompts[:n]))
+                for k, (proc, http) in engines.items():
+                    runs[k].append(engine_tokens_per_s(str(http.base_url), prompts[:n], proc.pid))
                 runs["baseline"].append(generate_tokens_per_s(model, prompts[:n], pad_id))
-            row = {"what": f"generate, {n} concurrent x {NEW_TOKENS} tokens (tokens/s)",
-                   **{k: statistics.median(v) for k, v in runs.items()}}
-            row["ratio"] = row["engine"] / row["baseline"]
-            if a.compare:
-                row["compare_ratio"] = row["compare"] / row["baseline"]
+            row = {"what": f"generate, {n} concurrent x {NEW_TOKENS} tokens (tokens/s)"}
+            for k, v in runs.items():
+                row[k], row[f"{k}_cpu"] = statistics.median(x for x, _ in v), statistics.median(c for _, c in v)
+            for k in engines:
+                prefix = "" if k == "engine" else f"{k}_"
+                row[f"{prefix}ratio"] = row[k] / row["baseline"]
+                row[f"{prefix}cpu_ratio"] = row[f"{k}_cpu"] / row["baseline_cpu"]
             rows.append(row)
     finally:
         for proc, _ in engines.values():
@@ -229,11 +241,14 @@ def main() -> None:
             proc.wait(timeout=30)
     print(f"models {models}, torch threads {a.threads}, baselines: transformers model.generate / raw gloo broadcast; "
           f"medians of {a.repeats}\n")
-    extra = " | --compare engine | --compare ratio" if a.compare else ""
-    print(f"| measure | engine | baseline | ratio{extra} |\n| --- | ---: | ---: | ---:{' | ---: | ---:' if a.compare else ''} |")
+    print("ratio per CPU-s: tokens per CPU-second of the engine process / of model.generate\n")
+    extra = " | --compare ratio | --compare per CPU-s" if a.compare else ""
+    print(f"| measure | engine | baseline | ratio | ratio per CPU-s{extra} |\n| --- | ---: | ---: | ---: | ---:"
+          f"{' | ---: | ---:' if a.compare else ''} |")
     for r in rows:
-        more = f" | {r['compare']:.4g} | {r['compare_ratio']:.2f}" if "compare" in r else (" | | " if a.compare else "")
-        print(f"| {r['what']} | {r['engine']:.4g} | {r['baseline']:.4g} | {r['ratio']:.2f}{more} |")
+        cpu = f"{r['cpu_ratio']:.2f}" if "cpu_ratio" in r else ""
+        more = f" | {r['compare_ratio']:.2f} | {r['compare_cpu_ratio']:.2f}" if "compare" in r else " | |" if a.compare else ""
+        print(f"| {r['what']} | {r['engine']:.4g} | {r['baseline']:.4g} | {r['ratio']:.2f} | {cpu}{more} |")
     if a.out:
         Path(a.out).write_text(json.dumps({"models": models, "threads": a.threads, "rows": rows}, indent=2))
 
