@@ -41,7 +41,7 @@ export interface SftExample { tokens: number[]; mask: number[] } // mask 1 on th
 export interface SftStepRequest { run_id: string; step: number; examples: SftExample[]; algo: AlgoConfig }
 export interface TrainStepResponse { run_id: string; step: number; version: number; replayed: boolean; metrics: Record<string, number> }
 export interface PushWeightsRequest { engines: { url: string }[]; version: number }
-export interface PushWeightsResponse { version: number; bytes: number; seconds: number }
+export interface PushWeightsResponse { version: number; bytes: number; seconds: number; new_group?: boolean }
 export interface CheckpointResponse { path: string; step: number; version: number }
 export interface ActorHealth { version: number; last_step: number; run_id: string | null; world_size: number; model: string }
 

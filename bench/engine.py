@@ -4,8 +4,8 @@
   transformers' batched `model.generate` on the same prompts (left-padded, sampling, same length), on the
   tiny model and on a 33.7M one of the same family (--size); engine and baseline alternate, medians of --repeats;
   --compare DIR also runs the engine of another gpu-services copy (e.g. main's, for before/after), interleaved;
-- refit: pause -> /weights/receive of the whole model -> resume, against a raw gloo broadcast of the
-  same buckets between two processes (group set-up included in both).
+- refit: pause -> the actor's /push_weights of the whole model -> resume, against a raw gloo broadcast of the
+  same bytes between two processes (bench/refit.py), on each model.
 
     python bench/engine.py [--model DIR] [--size tiny|33.7M|all] [--threads 1] [--repeats 3] [--concurrency 1,16,64]
                            [--no-refit] [--compare GPU_SERVICES_DIR] [--out bench.json] [--smoke]
@@ -16,14 +16,12 @@ engine / baseline (tokens/s: higher is better; refit seconds: lower is better).
 import argparse
 import asyncio
 import json
-import multiprocessing as mp
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -33,12 +31,10 @@ import torch
 GPU_SERVICES = Path(__file__).resolve().parents[1] / "gpu-services"
 sys.path.insert(0, str(GPU_SERVICES))
 from common import load_causal_lm  # noqa: E402
-from contract import WeightReceiveRequest  # noqa: E402
-from weight_transfer import open_group, plan_buckets, recv_bucket, send_bucket  # noqa: E402
+from refit import bench_model as bench_refit  # noqa: E402
 
 NEW_TOKENS = 32
 TOKEN = "bench"
-BUCKET_BYTES = 16 * 1024 * 1024
 
 
 def free_port() -> int:
@@ -116,52 +112,6 @@ def generate_tokens_per_s(model, prompts: list[list[int]], pad_id: int) -> tuple
     return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
 
 
-def refit_seconds(http: httpx.Client, model) -> float:
-    """pause -> the engine receives every weight from us (rank 0) -> resume."""
-    named = list(model.state_dict().items())
-    buckets = plan_buckets(named, BUCKET_BYTES)
-    port = free_port()
-    body = WeightReceiveRequest(master_addr="127.0.0.1", master_port=port, world_size=2, rank=1,
-                                buckets=buckets, version=1).model_dump()
-    start = time.perf_counter()
-    http.post("/pause", json={"mode": "keep"})
-    poster = threading.Thread(target=lambda: http.post("/weights/receive", json=body).raise_for_status())
-    poster.start()
-    group = open_group("127.0.0.1", port, 2, 0, "gloo")
-    tensors = dict(named)
-    for bucket in buckets:
-        send_bucket(group, [tensors[s.name] for s in bucket])
-    poster.join()
-    http.post("/resume")
-    return time.perf_counter() - start
-
-
-def _raw_receiver(port: int, buckets) -> None:
-    group = open_group("127.0.0.1", port, 2, 1, "gloo")
-    for bucket in buckets:
-        list(recv_bucket(group, bucket, torch.device("cpu")))
-
-
-def raw_broadcast_seconds(model) -> float:
-    """The same buckets over a ready gloo group to a second process: what moving the bytes costs."""
-    named = list(model.state_dict().items())
-    buckets = plan_buckets(named, BUCKET_BYTES)
-    port = free_port()
-    receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(port, buckets))
-    receiver.start()
-    group = open_group("127.0.0.1", port, 2, 0, "gloo")
-    tensors = dict(named)
-    start = time.perf_counter()
-    for bucket in buckets:
-        send_bucket(group, [tensors[s.name] for s in bucket])
-    seconds = time.perf_counter() - start
-    receiver.join()
-    return seconds
-
-
-SIZES = {"tiny": {}, "33.7M": {"hidden": 512, "layers": 8, "heads": 16}}  # make_tiny_model.make arguments
-
-
 def generation_rows(model_dir: str, a, prompts: list[list[int]]) -> list[dict]:
     """Engine (and --compare engine) vs model.generate, alternating within each repeat; medians reported, of
     tokens/s and of tokens per CPU-second (steadier than wall time on a shared machine)."""
@@ -224,21 +174,12 @@ def main() -> None:
     for name, model_dir in models.items():
         for row in generation_rows(model_dir, a, prompts):
             rows.append({**row, "what": f"{name}: {row['what']}"})
-    model_dir = next(iter(models.values()))
-    model = load_causal_lm(model_dir, device=torch.device("cpu"))
-    proc, http = start_engine(model_dir, a.threads) if not a.no_refit else (None, None)
-    try:
-        tries = 1 if a.smoke else 3
-        if not a.no_refit:
-            refit = min(refit_seconds(http, model) for _ in range(tries))
-            raw = min(raw_broadcast_seconds(model) for _ in range(min(tries, 2)))
-            nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-            rows.append({"what": f"refit {nbytes / 1e6:.2f} MB (s): pause+receive+resume vs raw gloo broadcast on a ready group",
-                         "engine": refit, "baseline": raw, "ratio": refit / raw})
-    finally:
-        if proc:
-            proc.terminate()
-            proc.wait(timeout=30)
+    if not a.no_refit:
+        for name, model_dir in models.items():
+            r = bench_refit(model_dir, a.repeats if a.repeats > 1 else 3, a.threads, Path(tmp.name))
+            rows.append({"what": f"{name}: refit {r['bytes'] / 1e6:.2f} MB (s): pause + actor /push_weights + resume vs "
+                                 f"raw gloo broadcast of the same bytes on a ready group (bench/refit.py)",
+                         "engine": r["refit_median"], "baseline": r["raw_median"], "ratio": r["ratio"]})
     print(f"models {models}, torch threads {a.threads}, baselines: transformers model.generate / raw gloo broadcast; "
           f"medians of {a.repeats}\n")
     print("ratio per CPU-s: tokens per CPU-second of the engine process / of model.generate\n")

@@ -30,7 +30,8 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import httpx
@@ -51,8 +52,8 @@ from algorithm import (compute_advantages, entropy_from_logits, loss_divisor, po
 from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
                     write_error)
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, InitRequest, LogprobsRequest,
-                      LogprobsResponse, PushWeightsRequest, PushWeightsResponse, SftStepRequest, TrainStepRequest,
-                      TrainStepResponse, WeightReceiveRequest)
+                      LogprobsResponse, NotInGroup, PushWeightsRequest, PushWeightsResponse, SftStepRequest,
+                      TensorSpec, TrainStepRequest, TrainStepResponse, WeightReceiveRequest)
 from trajectories import Segment, load_segment, pad_right
 from vision import check_placeholders, load_image, vision_inputs
 
@@ -173,6 +174,8 @@ class Actor:
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
         self.dtype = parse_dtype(args.dtype)
         self.model = self.sharded(args.model)
+        # weights no step changes (--freeze-vision): a push to engines that have them already leaves them out
+        self.frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
         self.ref = self.sharded(args.ref_model).requires_grad_(False) if args.ref_model else None
         # lr, betas and weight decay are set from the request's algo at every step
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
@@ -434,17 +437,27 @@ class Actor:
         return list(self.model.state_dict().items())
 
     def push_weights(self, buckets: list[list[str]], group=None) -> int:
-        """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts it to the engines. A send
-        failure on rank 0 is raised only after the loop, so the other ranks' gathers stay in step."""
+        """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts it to the engines, gathering
+        and packing bucket k+1 while bucket k is on the wire. A send failure on rank 0 is raised only after the
+        loop, so the other ranks' gathers stay in step."""
         state = dict(self.full_state_items())
-        sent, failure = 0, None
+        sent, failure, on_wire = 0, None, None
         for names in buckets:
             tensors = [full_tensor(state[n]).to(self.dtype) for n in names]
-            if group is not None and failure is None:
-                try:
-                    sent += weight_transfer.send_bucket(group, tensors)
-                except Exception as e:
-                    failure = e
+            if group is None or failure is not None:
+                continue
+            try:
+                work, flat = weight_transfer.send_bucket(group, tensors)
+                if on_wire is not None:
+                    on_wire[0].wait()
+                on_wire, sent = (work, flat), sent + flat.numel()
+            except Exception as e:
+                failure = e
+        try:
+            if on_wire is not None and failure is None:
+                on_wire[0].wait()
+        except Exception as e:
+            failure = e
         if failure is not None:
             raise RuntimeError(f"weight broadcast failed: {failure}")
         return sent
@@ -561,7 +574,10 @@ class Actor:
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    # on one rank the shard is the whole tensor: full_tensor() would return it too, after ~0.1 ms of dispatch
+    return t.to_local() if t.device_mesh.size() == 1 else t.full_tensor()
 
 
 def tied_output_name(model) -> str | None:
@@ -617,6 +633,74 @@ def episode_advantages(algo: AlgoConfig, segments: list[Segment], mask: torch.Te
 
 
 # ----------------------------------------------------------------------------- HTTP (rank 0)
+
+class EnginesLink:
+    """Rank 0's end of the weight transfer group (weight_transfer.py), kept from one push to the next while the
+    engines pushed to stay the same, so a refit costs no rendezvous. Other engines (one added, drained or missed), a
+    failed push, or an engine that does not hold the group (it restarted) make a new one."""
+
+    def __init__(self, args, backend: str, token: str | None):
+        self.args, self.backend = args, backend
+        self.http = httpx.Client(timeout=None, headers={"Authorization": f"Bearer {token}"} if token else {})
+        self.urls: list[str] | None = None  # the engines of the group, in rank order
+        self.store = self.group = None
+        self.id, self.port, self.seq = "", 0, 0
+        self.complete = False  # the engines hold every tensor of the actor's weights, frozen ones included
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+        self.urls, self.store, self.group, self.complete = None, None, None, False
+
+    def receive(self, url: str, body: WeightReceiveRequest) -> int:
+        try:
+            r = self.http.post(f"{url}/weights/receive", json=body.model_dump())
+        except httpx.HTTPError as e:
+            raise RuntimeError(f"engine {url}: {type(e).__name__}: {e}") from None
+        if r.status_code == 409:
+            raise NotInGroup(f"engine {url}: {r.json()['error']}")
+        if r.status_code != 200:
+            raise RuntimeError(f"engine {url} answered {r.status_code}: {r.text[:500]}")
+        return r.json()["version"]
+
+    def start(self, urls: list[str], specs: list[list[TensorSpec]], version: int) -> list[Future]:
+        """Asks each engine to receive `specs` as `version`; returns their answers once all of them wait for the
+        broadcast (an engine answers only after receiving, so an answer before then is a failure). Raises NotInGroup
+        when an engine lacks the kept group."""
+        fresh, world, server = self.urls != urls, 1 + len(urls), None
+        if fresh:
+            self.close()
+            server = weight_transfer.listen(self.args.host)  # where the HTTP API listens, not every interface
+            self.id, self.port = uuid.uuid4().hex, server.getsockname()[1]
+        self.seq += 1
+        pool = ThreadPoolExecutor(world)
+        answers = [pool.submit(self.receive, url, WeightReceiveRequest(
+            master_addr=self.args.advertise_host, master_port=self.port, world_size=world, rank=i + 1,
+            backend=self.backend, buckets=specs, version=version, group=self.id, join=fresh, seq=self.seq))
+            for i, url in enumerate(urls)]
+        joined = pool.submit(weight_transfer.open_group, self.args.host, self.port, world, 0, self.backend,
+                             server=server) if fresh else None
+        pool.shutdown(wait=False)
+        if fresh:
+            done, _ = wait([joined, *answers], return_when=FIRST_COMPLETED)
+            failure = next((f.exception() for f in done if f.exception()), None)
+        else:  # the kept group: each engine checks in through the store, or answers NotInGroup at once
+            deadline, failure = time.time() + weight_transfer.TIMEOUT_S, None
+            while failure is None and not weight_transfer.check_in(self.store, self.seq, world):
+                failure = next((a.exception() or RuntimeError("answered early") for a in answers if a.done()), None)
+                if failure is None and time.time() > deadline:
+                    failure = TimeoutError(f"engines did not check in within {weight_transfer.TIMEOUT_S} s")
+                time.sleep(0.0005)
+            self.store.set(f"go/{self.seq}", "0" if failure else "1")  # those that checked in return, or receive
+        if failure is not None:
+            self.close()
+            raise failure if isinstance(failure, NotInGroup) else \
+                RuntimeError(f"engines did not join the weight transfer group: {failure}")
+        if fresh:
+            self.store, self.group = joined.result()
+            self.urls = urls
+        return answers
+
 
 def build_app(actor: Actor, token: str | None):
     app = service_app("molt-actor", token)
@@ -700,45 +784,38 @@ def build_app(actor: Actor, token: str | None):
         with actor.lock:
             return LogprobsResponse(logprobs=actor.run("logprobs", req.token_ids, images or None))
 
+    link = EnginesLink(args, "nccl" if actor.device.type == "cuda" else "gloo", token)
+
+    def push(urls: list[str], req: PushWeightsRequest) -> tuple[int, bool]:
+        """Returns the bytes sent and whether a new group was made."""
+        items = actor.full_state_items()  # DTensors: shapes are the full shapes
+        kept = link.urls == urls
+        if kept and link.complete:  # a frozen tensor cannot have changed since the engines got it
+            items = [(n, t) for n, t in items if n not in actor.frozen]
+        specs = weight_transfer.plan_buckets(
+            ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta")) for n, t in items), req.bucket_bytes)
+        answers = link.start(urls, specs, req.version)
+        sent = actor.run("push_weights", [[s.name for s in b] for b in specs], group=link.group)
+        versions = [a.result() for a in answers]
+        if any(v != req.version for v in versions):
+            raise RuntimeError(f"engines answered versions {versions}, expected {req.version}")
+        link.complete = True
+        return sent, not kept
+
     @app.post("/push_weights")
     def push_weights(req: PushWeightsRequest) -> PushWeightsResponse:
         with actor.lock:
             t0 = time.time()
-            items = actor.full_state_items()  # DTensors: shapes are the full shapes
-            specs = weight_transfer.plan_buckets(
-                ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta")) for n, t in items), req.bucket_bytes)
-            backend = "nccl" if actor.device.type == "cuda" else "gloo"
-            server = weight_transfer.listen(args.host)  # where the HTTP API listens, not every interface
-            port = server.getsockname()[1]
-            world = 1 + len(req.engines)
-
-            def receive(i: int, url: str) -> int:
-                body = WeightReceiveRequest(master_addr=args.advertise_host, master_port=port, world_size=world,
-                                            rank=i + 1, backend=backend, buckets=specs, version=req.version)
-                r = httpx.post(f"{url.rstrip('/')}/weights/receive", json=body.model_dump(), timeout=None,
-                               headers={"Authorization": f"Bearer {token}"} if token else {})
-                if r.status_code != 200:
-                    raise RuntimeError(f"engine {url} answered {r.status_code}: {r.text[:500]}")
-                return r.json()["version"]
-
-            pool = ThreadPoolExecutor(1 + len(req.engines))
-            answers = [pool.submit(receive, i, e.url) for i, e in enumerate(req.engines)]
-            joined = pool.submit(weight_transfer.open_group, args.host, port, world, 0, backend, server=server)
-            pool.shutdown(wait=False)
-            # an engine answers only after receiving, so an answer before the group is complete is a failure
-            done, _ = wait([joined, *answers], return_when=FIRST_COMPLETED)
-            failure = next((f.exception() for f in done if f.exception()), None)
-            if failure is not None:
-                raise HTTPException(502, f"engines did not join the weight transfer group: {failure}")
-            group = joined.result()
+            urls = [e.url.rstrip("/") for e in req.engines]
             try:
-                sent = actor.run("push_weights", [[s.name for s in b] for b in specs], group=group)
-                versions = [a.result() for a in answers]
+                try:
+                    sent, new_group = push(urls, req)
+                except NotInGroup:  # an engine restarted since the last push: a new group, with every tensor
+                    sent, new_group = push(urls, req)
             except Exception as e:
+                link.close()
                 raise HTTPException(502, f"weight push failed: {e}")
-            if any(v != req.version for v in versions):
-                raise HTTPException(502, f"engines answered versions {versions}, expected {req.version}")
-            return PushWeightsResponse(version=req.version, bytes=sent, seconds=time.time() - t0)
+            return PushWeightsResponse(version=req.version, bytes=sent, seconds=time.time() - t0, new_group=new_group)
 
     @app.post("/checkpoint/save")
     def checkpoint_save(req: CheckpointRequest) -> CheckpointResponse:
@@ -754,6 +831,7 @@ def build_app(actor: Actor, token: str | None):
             except ValueError as e:
                 raise HTTPException(400, str(e))
             actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim, ref_weights=ref)
+            link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log(log)
             return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
 
@@ -762,6 +840,7 @@ def build_app(actor: Actor, token: str | None):
         """Back to the --model weights and a fresh optimizer: a run without a checkpoint starts from here."""
         with actor.lock:
             actor.run("reset", weights=read_weights(actor.model, args.model))
+            link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log([])
         return health()
 
@@ -774,6 +853,7 @@ def build_app(actor: Actor, token: str | None):
             except ValueError as e:
                 raise HTTPException(400, f"init dir {e}")
             actor.run("init_weights", req.run_id, req.path, weights=weights)
+            link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log([])
             return CheckpointResponse(path=req.path, step=0, version=0)
 

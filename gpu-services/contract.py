@@ -99,8 +99,10 @@ class TensorSpec(Strict):
 
 
 class WeightReceiveRequest(Strict):
-    """Join a one-off torch.distributed group with the actor (rank 0) and receive a broadcast of
-    each bucket: one flat uint8 tensor holding the bucket's tensors back to back, in spec order."""
+    """Receive a broadcast of each bucket from the actor (rank 0) in torch.distributed group `group`: one flat uint8
+    tensor holding the bucket's tensors back to back, in spec order. join: make the group now (a rendezvous at
+    master_addr:master_port); else the engine holds it from an earlier push and checks in as push `seq`
+    (weight_transfer.py). A bucket list may leave out tensors that cannot have changed (frozen ones)."""
     master_addr: str
     master_port: int
     world_size: int
@@ -108,6 +110,14 @@ class WeightReceiveRequest(Strict):
     backend: Literal["gloo", "nccl"] = "gloo"
     buckets: list[list[TensorSpec]]
     version: int
+    group: str = ""
+    join: bool = True
+    seq: int = 0
+
+
+class NotInGroup(Exception):
+    """/weights/receive answers 409 with this: the engine does not hold the kept group it was asked to receive in
+    (it restarted, or loaded other weights), so the actor makes a new one."""
 
 
 class WeightLoadRequest(Strict):
@@ -237,13 +247,14 @@ class EngineRef(Strict):
 class PushWeightsRequest(Strict):
     engines: list[EngineRef] = Field(min_length=1)
     version: int
-    bucket_bytes: int = 512 * 1024 * 1024
+    bucket_bytes: int = Field(1024 * 1024, ge=1)  # a larger tensor goes alone, uncopied; smaller ones are packed
 
 
 class PushWeightsResponse(Strict):
     version: int
-    bytes: int
+    bytes: int  # frozen tensors go only to engines that lack them
     seconds: float
+    new_group: bool = False  # a new transfer group (other engines, or one restarted): a rendezvous
 
 
 class CheckpointRequest(Strict):

@@ -17,8 +17,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from common import service_app, token_from_env
 from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
-                      ImageResponse, PauseRequest, ScoreRequest, ScoreResponse, VersionResponse, WeightLoadRequest,
-                      WeightReceiveRequest)
+                      ImageResponse, NotInGroup, PauseRequest, ScoreRequest, ScoreResponse, VersionResponse,
+                      WeightLoadRequest, WeightReceiveRequest)
 
 
 def build_app(backend, token: str | None) -> FastAPI:
@@ -89,6 +89,8 @@ def build_app(backend, token: str | None) -> FastAPI:
             return VersionResponse(version=apply())
         except ValueError as e:  # a name, shape or path that does not fit the model
             raise HTTPException(400, str(e))
+        except NotInGroup as e:  # the actor makes a new transfer group
+            raise HTTPException(409, str(e))
         except Exception as e:  # e.g. the transfer group timed out
             traceback.print_exc()
             raise HTTPException(500, f"weight update failed: {type(e).__name__}: {e}")

@@ -43,7 +43,7 @@ from transformers import DynamicCache
 from common import check_generate_ids, check_model_dir, load_causal_lm, moe_routers
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
 from vision import check_placeholders, decode_base64, image_token_id, load_image, process_image, save_image, vision_inputs
-from weight_transfer import open_group, recv_bucket
+from weight_transfer import Membership, recv_bucket_into
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
 #                 and "routed_experts": [[[expert id] * top_k] * layers] * tokens when the request asked}
@@ -126,6 +126,7 @@ class TorchEngine:
         self.pad_id = text_config.pad_token_id or 0  # masked out; any valid id works
         self.version = 0
         self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
+        self._membership = Membership()  # in the actor's weight transfer group
         self._routers = moe_routers(self.model)
         self.vlm = image_token_id(self.model) is not None
         if self.vlm:
@@ -240,22 +241,23 @@ class TorchEngine:
         return ids
 
     def receive_weights(self, req: WeightReceiveRequest) -> int:
-        """Join the actor's one-off group as req.rank and take each broadcast bucket into the model.
-        The rendezvous runs outside the model lock: it waits up to the transfer timeout for an actor that
-        may have died, and meanwhile the engine keeps generating (after the refit's resume) and can join
-        the next push. Only the transfer itself blocks the scheduler, so no forward sees half-updated weights."""
+        """Receive each broadcast bucket into the model, in the actor's transfer group (joined now or kept from an
+        earlier push, weight_transfer.Membership). Joining runs outside the model lock: it waits up to the transfer
+        timeout for an actor that may have died, and meanwhile the engine keeps generating (after the refit's resume)
+        and can join the next push. Only the transfer itself blocks the scheduler, so no forward sees half-updated
+        weights."""
         for bucket in req.buckets:
             for spec in bucket:
                 self._check_tensor(spec.name, spec.shape, spec.dtype)
-        group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
+        group = self._membership.group_for(req)
         try:
             with self._model_lock:
                 for bucket in req.buckets:
-                    for name, tensor in recv_bucket(group, bucket, self.device):
-                        self._state[name].copy_(tensor)
+                    recv_bucket_into(group, bucket, self._state)
                 self._set_version(req.version)
-        finally:  # one group per refit: free its connections (NCCL communicators on GPU)
-            group.shutdown()
+        except Exception:
+            self._membership.leave()
+            raise
         return req.version
 
     def load_weights(self, path: str, version: int) -> int:
@@ -270,6 +272,7 @@ class TorchEngine:
             for name, t in tensors.items():
                 self._state[name].copy_(t)
             self._set_version(version)
+        self._membership.leave()  # the actor's next push sends every tensor, frozen ones included
         return version
 
     # ------------------------------------------------------------------ weights

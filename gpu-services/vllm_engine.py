@@ -35,8 +35,8 @@ import torch
 from safetensors import safe_open
 
 from common import check_generate_ids, check_model_dir
-from contract import GenerateRequest, WeightReceiveRequest
-from weight_transfer import open_group, recv_bucket
+from contract import GenerateRequest, NotInGroup, WeightReceiveRequest
+from weight_transfer import Membership, recv_bucket
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
 
@@ -60,10 +60,16 @@ class MoltWorker:
     def molt_receive_weights(self, request: dict) -> None:
         req = WeightReceiveRequest.model_validate(request)
         device = next(self.model_runner.model.parameters()).device
-        group = open_group(req.master_addr, req.master_port, req.world_size, req.rank, req.backend)
-        self._load(named for bucket in req.buckets for named in recv_bucket(group, bucket, device))
+        membership = self.__dict__.setdefault("molt_membership", Membership())  # kept across pushes
+        group = membership.group_for(req)
+        try:
+            self._load(named for bucket in req.buckets for named in recv_bucket(group, bucket, device))
+        except Exception:
+            membership.leave()
+            raise
 
     def molt_load_weights(self, path: str) -> None:
+        self.__dict__.setdefault("molt_membership", Membership()).leave()  # the next push sends every tensor
         def tensors():
             for file in sorted(Path(path).glob("*.safetensors")):
                 with safe_open(str(file), framework="pt") as f:
@@ -92,6 +98,7 @@ class VllmEngine:
         self.shapes = hf_weight_shapes(model_dir)
         self.version = 0
         self._paused = False
+        self._group = None  # the weight transfer group the worker holds (weight_transfer.Membership)
         self._live: set[str] = set()
         # vLLM's AsyncLLM lives on its own event loop in a thread; the HTTP server's handlers (sync ones run in
         # a thread pool) reach it with run_coroutine_threadsafe.
@@ -215,7 +222,13 @@ class VllmEngine:
         for bucket in req.buckets:
             for spec in bucket:
                 self._check_tensor(spec.name, spec.shape)
-        return self._update("molt_receive_weights", req.model_dump(), req.version)
+        # checked here too: from the worker process the exception would come back without its type
+        if not req.join and req.group != self._group:
+            raise NotInGroup(f"this engine does not hold transfer group {req.group!r} (it restarted or left it)")
+        self._group = None
+        self._update("molt_receive_weights", req.model_dump(), req.version)
+        self._group = req.group  # the worker holds it now
+        return req.version
 
     def load_weights(self, path: str, version: int) -> int:
         check_model_dir(path)
@@ -223,6 +236,7 @@ class VllmEngine:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     self._check_tensor(name, f.get_slice(name).get_shape())
+        self._group = None
         return self._update("molt_load_weights", str(Path(path).resolve()), version)
 
     # ------------------------------------------------------------------ weights

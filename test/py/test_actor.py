@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import GPU, PY, TOKEN, actor_server, client, engine_server
+from conftest import GPU, PY, TOKEN, actor_server, client, engine_server, free_port, service
 
 torch.set_num_threads(1)
 ENGINE_TOL = 1e-4  # actor vs engine logprobs, fp32 on CPU
@@ -414,3 +414,32 @@ def test_init_starts_a_run_from_other_weights_in_policy_and_reference(store, tin
         r = train(url, store, 1, kl_coef=0.1)
         assert r.status_code == 200, r.text
         assert abs(r.json()["metrics"]["kl"]) < 1e-6  # the reference is the same starting point
+
+
+def test_refits_keep_the_transfer_group_until_the_engines_change(tiny_model, tmp_path):
+    """A push to the engines of the last push makes no new group (no rendezvous); an engine added or left out, or one
+    that restarted (it does not hold the group), makes a new one, and every engine gets the version. A dead engine
+    fails the push at once, and the next push without it goes on."""
+    (tmp_path / "actor").mkdir()
+    ports = [free_port(), free_port()]
+
+    def engine_on(port: int, life: str):
+        return service([PY, str(GPU / "engine.py"), "--model", str(tiny_model), "--port", str(port), "--token", TOKEN],
+                       port, tmp_path / f"engine-{port}-{life}.log")
+
+    with actor_server(tiny_model, tmp_path / "actor", 1) as a, client(a) as c, engine_on(ports[0], "1") as e1:
+        def push(engines: list[str], version: int) -> dict:
+            r = c.post("/push_weights", json={"engines": [{"url": e} for e in engines], "version": version})
+            assert r.status_code == 200, r.text
+            for e in engines:
+                assert client(e).get("/health").json()["version"] == version
+            return r.json()
+
+        assert push([e1], 1)["new_group"] and not push([e1], 2)["new_group"]
+        with engine_on(ports[1], "1") as e2:
+            assert push([e1, e2], 3)["new_group"] and not push([e1, e2], 4)["new_group"]
+        with engine_on(ports[1], "2") as e2:  # the same address, a new process
+            assert push([e1, e2], 5)["new_group"] and not push([e1, e2], 6)["new_group"]
+        r = c.post("/push_weights", json={"engines": [{"url": e1}, {"url": e2}], "version": 7}, timeout=25)
+        assert r.status_code == 502 and e2 in r.json()["error"]  # its address refuses connections
+        assert push([e1], 8)["new_group"] and not push([e1], 9)["new_group"]

@@ -203,10 +203,10 @@ def push_weights(url, new_model, version: int, bucket_bytes: int = 64 * 1024) ->
     reply = {}
     poster = threading.Thread(target=lambda: reply.update(r=client(url).post("/weights/receive", json=body)))
     poster.start()
-    group = open_group("127.0.0.1", port, 2, 0, "gloo")
+    _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
     tensors = dict(named)
     for bucket in buckets:
-        send_bucket(group, [tensors[s.name] for s in bucket])
+        send_bucket(group, [tensors[s.name] for s in bucket])[0].wait()
     poster.join()
     assert reply["r"].status_code == 200, reply["r"].text
     return reply["r"].json()
@@ -336,3 +336,39 @@ def test_a_dead_actor_does_not_block_generation_or_the_next_push(weights_engine,
         dead.close()
     assert reply["r"].status_code == 500 and "weight update failed" in reply["r"].json()["error"]
     assert client(weights_engine).get("/health").json()["version"] == 8  # the failed transfer changed nothing
+
+
+def test_a_kept_group_takes_later_pushes_without_a_rendezvous(weights_engine, model):
+    """The actor's side by hand: the first push joins group g (a rendezvous); later ones name g without joining, the
+    engine checks in through the store, and the weights come over the same connections. A push naming a group the
+    engine does not hold (the actor's view after an engine restart) is refused at once with a 409, changing nothing."""
+    named = list(model.state_dict().items())
+    buckets = plan_buckets(named, 64 * 1024)  # lone tensors (received in place) and packed small ones
+    assert {len(b) == 1 for b in buckets} == {True, False}
+    port = free_port()
+    store = group = None
+    for seq, seed in enumerate([11, 12, 13], start=1):
+        new = perturbed(model, seed=seed)
+        body = WeightReceiveRequest(master_addr="127.0.0.1", master_port=port, world_size=2, rank=1, buckets=buckets,
+                                    version=seq, group="g", join=seq == 1, seq=seq).model_dump()
+        reply = {}
+        poster = threading.Thread(target=lambda: reply.update(r=client(weights_engine).post("/weights/receive", json=body)))
+        poster.start()
+        if seq == 1:
+            store, group = open_group("127.0.0.1", port, 2, 0, "gloo")
+        else:
+            store.wait([f"ready/{seq}/1"])  # checked in, and now waits to be told to go
+            store.set(f"go/{seq}", "1")
+        tensors = dict(new.named_parameters(remove_duplicate=False))
+        for bucket in buckets:
+            send_bucket(group, [tensors[s.name] for s in bucket])[0].wait()
+        poster.join()
+        assert reply["r"].status_code == 200 and reply["r"].json() == {"version": seq}, reply["r"].text
+        out = generate(weights_engine, [4, 5, 6], max_tokens=8, temperature=0)
+        assert out["versions"] == [seq] * 8
+        assert max_diff(out["logprobs"], expected_logprobs(new, [4, 5, 6], out["token_ids"], temperature=0)) < TOL
+    stranger = {**body, "group": "another", "seq": 4, "version": 4}
+    r = client(weights_engine).post("/weights/receive", json=stranger)
+    assert r.status_code == 409 and "does not hold transfer group 'another'" in r.json()["error"]
+    assert client(weights_engine).get("/health").json()["version"] == 3
+    group.shutdown()

@@ -167,9 +167,9 @@ def test_receive_weights_over_gloo(engine, models):
     answer = {}
     t = threading.Thread(target=lambda: answer.update(r=engine.post("/weights/receive", json=req.model_dump())))
     t.start()
-    group = open_group("127.0.0.1", port, 2, 0, "gloo")
+    _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
     for bucket in buckets:
-        send_bucket(group, [new[s.name] for s in bucket])
+        send_bucket(group, [new[s.name] for s in bucket])[0].wait()
     t.join(timeout=120)
     assert answer["r"].status_code == 200 and answer["r"].json()["version"] == 2
     out = generate(engine, PROMPT, max_tokens=8, seed=2)

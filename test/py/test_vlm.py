@@ -6,6 +6,7 @@ frozen or trained; bad images get a 400 naming the problem."""
 import base64
 import io
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -164,6 +165,35 @@ def test_fsdp2_step_trains_on_the_stored_images_with_the_vision_tower_frozen_or_
     vision = {n for n in before if ".visual." in n}
     assert moved - vision  # the language model trained
     assert (moved & vision == set()) if freeze else (moved & vision)
+
+
+def test_a_refit_sends_the_frozen_vision_tower_only_to_engines_that_lack_it(tiny_vlm, episodes, tmp_path):
+    """--freeze-vision: the first push to an engine, and the first after the actor loads other weights, send every
+    tensor; the pushes between leave the vision tower out (no step changes it). After each one the engine's logprobs
+    of an image conversation it samples equal the actor's."""
+    other = tmp_path / "other-vision"  # the tiny VLM with another vision tower
+    shutil.copytree(tiny_vlm, other)
+    weights = load_file(str(other / "model.safetensors"))
+    vision = {n for n in weights if ".visual." in n}
+    g = torch.Generator().manual_seed(0)
+    save_file({n: t + 0.2 * torch.randn(t.shape, generator=g) if n in vision else t for n, t in weights.items()},
+              str(other / "model.safetensors"))
+    vision_bytes = sum(weights[n].numel() * weights[n].element_size() for n in vision)
+    (tmp_path / "state").mkdir()
+    with engine_server(tiny_vlm, tmp_path) as e, client(e) as ec, \
+            actor_server(tiny_vlm, tmp_path / "state", 1, "--freeze-vision") as a, client(a) as c:
+        def push(version: int) -> int:
+            r = c.post("/push_weights", json={"engines": [{"url": e}], "version": version})
+            assert r.status_code == 200, r.text
+            out = run_episode(ec, tmp_path, 10 + version, 0.0)  # sampled by the engine at this version
+            assert (logprobs(a, out["tokens"], out["paths"]) - out["logprobs"])[out["mask"]].abs().max() < TOL
+            return r.json()["bytes"]
+
+        full = push(0)
+        train(a, episodes)
+        assert full - push(1) == vision_bytes > 0
+        assert c.post("/init", json={"run_id": "other", "path": str(other)}).status_code == 200
+        assert push(0) == full
 
 
 def test_bad_images_and_placeholder_counts_are_400s(engine, episode, tiny_model, tmp_path):
