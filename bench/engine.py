@@ -112,6 +112,9 @@ def generate_tokens_per_s(model, prompts: list[list[int]], pad_id: int) -> tuple
     return n / (time.perf_counter() - start), n / (time.process_time() - cpu)
 
 
+SIZES = {"tiny": {}, "33.7M": {"hidden": 512, "layers": 8, "heads": 16}}  # make_tiny_model.make arguments
+
+
 def generation_rows(model_dir: str, a, prompts: list[list[int]]) -> list[dict]:
     """Engine (and --compare engine) vs model.generate, alternating within each repeat; medians reported, of
     tokens/s and of tokens per CPU-second (steadier than wall time on a shared machine)."""
