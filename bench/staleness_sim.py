@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpu-services"))
 from algorithm import compute_advantages, entropy_from_logits, loss_divisor, policy_objective, staleness_mask  # noqa: E402
+from actor import token_logprobs  # noqa: E402
 from contract import AlgoConfig  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -105,8 +106,7 @@ def run(model_dir: str, reverse: bool, seed: int, steps: int, staleness: str, al
         rollout_logp[:, P:] = torch.stack([lp for _, _, lp in rows])
         token_versions = torch.tensor(versions)[:, None].expand(B, T).where(loss_mask > 0, torch.tensor(-1))
         logits = model(input_ids=tokens).logits.float()  # [B,T,V]
-        logp = torch.log_softmax(logits[:, :-1], -1).gather(2, tokens[:, 1:, None])[..., 0]
-        logp = torch.cat([torch.zeros(B, 1), logp], 1)  # [B,T]: log p(token t | < t)
+        logp = token_logprobs(logits, tokens)  # [B,T]: log p(token t | < t)
         entropy = torch.cat([torch.zeros(B, 1), entropy_from_logits(logits[:, :-1])], 1)
         old_logp = logp.detach()
         mask = staleness_mask(token_versions, version, algo.max_staleness, loss_mask)
