@@ -26,7 +26,10 @@ export interface SamplingParams {
 }
 export interface GenerateRequest {
   prompt_token_ids: number[]; sampling: SamplingParams; request_id?: string; stream?: boolean; return_routed_experts?: boolean;
+  images?: string[]; // vision-language models: processed image files (ImageResponse.path), in placeholder order
 }
+export interface ImageRequest { data: string; dir: string } // base64 of the file; where the processed tensors go
+export interface ImageResponse { path: string; grid_thw: number[]; tokens: number }
 export interface GenerateChunk {
   token_ids: number[]; logprobs: number[]; versions: number[];
   finish_reason?: GenerateResponse['finish_reason'] | null; routed_experts?: number[][][] | null;

@@ -9,7 +9,7 @@ import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import { ApplicationFailure } from '@temporalio/common';
 import { runChatEpisode, type ChatEpisode, type ChatPrompt } from '../agents/chat-runner';
-import type { GenerateFn } from '../agents/chat-session';
+import type { GenerateFn, ProcessImageFn } from '../agents/chat-session';
 import { ChatTemplate } from '../agents/chat-template';
 import {
   checkEnv, loadAgentRunner, type ChatAgentRunner, type EnvAgentRunner, type GroupTask, type Pools,
@@ -45,10 +45,11 @@ export interface RolloutManifest {
 // Evaluation (activities/evaluate.ts) runs its episodes through the same runners.
 export interface Episode { segments: Trajectory[]; reward: number; finish: string; metrics?: Record<string, number> }
 // generate streams the sampled ids to onToken when given (see EpisodeJournal.generate); pools: the
-// recipe's other pools, bound to the episode (poolClients).
+// recipe's other pools, bound to the episode (poolClients); processImage: an image of the episode processed by
+// its engine and stored in the episode's image folder (vision-language policies).
 export type EpisodeRunner = (episode: number,
   generate: (body: GenerateRequest, onToken?: (id: number) => boolean) => Promise<GenerateResponse>,
-  pools?: Pools) => Promise<Episode>;
+  pools?: Pools, processImage?: ProcessImageFn) => Promise<Episode>;
 
 // The recipe's pools (`pools`) as one episode's clients: each call journaled when a journal is given
 // (a retried episode does not ask again), and each call asked (not replayed) counted in metrics as
@@ -148,9 +149,11 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
     const poolMetrics: Record<string, number> = {};
     try {
       const clients = poolClients(pools, config, session, ctx.cancellationSignal, journal, poolMetrics);
+      // Content-addressed: an image sent in several turns (or on a retry) is one file of the episode's folder.
+      const imageDir = path.join(endpoints.storeRoot, runId, 'images', `g${groupIndex}`, `e${episode}`);
       const result = await runAgentEpisode(episode, (body, onToken) =>
         journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk, engines), onToken),
-      clients);
+      clients, (data) => router.image(session, { data, dir: imageDir }, ctx.cancellationSignal, engines));
       // On-policy distillation: the teacher pool scores the exact ids of every segment (journaled like any pool call).
       if (config.teacher) {
         for (const t of result.segments) {
@@ -246,7 +249,7 @@ function describeEpisode(episode: number, result: Episode, config: RecipeConfig)
 
 function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeConfig, task: GroupTask): EpisodeRunner {
   const tokenizer = tokenizerFor(resolveModelDir(config.model));
-  return async (episode, generate, pools = {}) => {
+  return async (episode, generate, pools = {}, processImage) => {
     let env;
     try {
       env = checkEnv(runner.createEnv(config.env, { pools }), modulePath);
@@ -256,7 +259,7 @@ function envEpisodes(runner: EnvAgentRunner, modulePath: string, config: RecipeC
     try {
       const result = await runEnvEpisode({
         env, tokenizer, sampling: config.sampling, maxContext: config.max_context, runSeed: config.seed,
-        task: { ...task, episode }, generate, routedExperts: config.algo.routing_replay,
+        task: { ...task, episode }, generate, routedExperts: config.algo.routing_replay, processImage,
       });
       return { segments: [result.trajectory], reward: result.reward, finish: result.finish, metrics: result.metrics };
     } finally {
@@ -278,7 +281,7 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
   // Every episode of the group starts from the same prompt: ask for it once.
   let prompt: Promise<ChatPrompt> | undefined;
 
-  return async (episode, generateOnEngine, pools = {}) => {
+  return async (episode, generateOnEngine, pools = {}, processImage) => {
     const server = await (loopback ??= LoopbackServer.start().catch((e) => { loopback = undefined; throw e; }));
     prompt ??= Promise.resolve().then(() => runner.prompt(task, config.env));
     const start = await prompt.catch((e) => { throw agentError('prompt() threw', e); });
@@ -289,11 +292,12 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
     // real one, so it fails the episode (a 400) or the activity (retried) exactly as in the Env form.
     let engineError: unknown;
     let call = 0;
-    const generate: GenerateFn = async (_chatSession, ids, sampling, onToken) => {
+    const generate: GenerateFn = async (_chatSession, ids, sampling, onToken, images = []) => {
       try {
         // Unless the agent asked for a seed: a reproducible stream per (run, group, episode, call).
         const seed = sampling.seed ?? deriveSeed(config.seed, task.groupIndex, episode, call++);
-        return await generateOnEngine({ prompt_token_ids: ids, sampling: { ...sampling, seed } }, onToken);
+        const body = { prompt_token_ids: ids, sampling: { ...sampling, seed }, ...(images.length ? { images } : {}) };
+        return await generateOnEngine(body, onToken);
       } catch (e) {
         engineError ??= e;
         throw e;
@@ -301,12 +305,17 @@ function chatEpisodes(runner: ChatAgentRunner, modulePath: string, config: Recip
     };
     const result: ChatEpisode = await runChatEpisode({
       server, agent: runner, template, generate, prompt: start, sampling: config.sampling, maxContext: config.max_context,
-      pools,
+      pools, processImage: processImage && (async (data) => processImage(data).catch((e) => {
+        if (!episodeFailed(e)) engineError ??= e; // an engine that failed us (not a bad image): the activity retries
+        throw e;
+      })),
     }).catch((e) => { throw engineError ?? agentError('run() failed', e); });
     if (engineError) throw engineError; // even if the agent carried on, its conversation is broken
     if (!result.segments.length || result.finish === null) throw agentError('run()', 'no token was sampled from the policy: nothing to train');
     return {
-      segments: result.segments.map((s) => ({ tokens: s.tokens, logprobs: s.logprobs, versions: s.versions, lossMask: s.loss_mask })),
+      segments: result.segments.map((s) => ({
+        tokens: s.tokens, logprobs: s.logprobs, versions: s.versions, lossMask: s.loss_mask, images: s.images,
+      })),
       reward: result.reward,
       finish: result.finish,
       metrics: result.metrics,

@@ -8,7 +8,7 @@
 // Without collection a 600-step run of the embedded recipe left 154,675 files (711 MB).
 //
 // Garbage, once step `c` is checkpointed: the manifests of steps <= c (a restarted actor loads the
-// latest checkpoint and replays only the steps after it) and the trajectories of those steps, except
+// latest checkpoint and replays only the steps after it) and the trajectories (and their images) of those steps, except
 // the last `store.keep_steps` of them (to look at). What a later step may still train must stay:
 // groups in flight or waiting for a batch. Group indexes only grow, so the loop names them by one
 // number, `liveFrom`: every group below it has been trained or dropped. A group dir that no kept
@@ -69,7 +69,7 @@ export async function collectGarbage(storeRoot: string, runId: string, policy: G
     }
     if (n <= policy.keepAfterStep) await remove(file, removed);
   }
-  for (const kind of ['trajectories', 'partials']) {
+  for (const kind of ['trajectories', 'partials', 'images']) {
     for (const { name, n } of await numbered(path.join(runDir, kind), /^g(\d+)$/)) {
       if (!keptGroups.has(n) && (n < policy.liveFrom || doneGroups.has(n))) await remove(path.join(runDir, kind, name), removed);
     }

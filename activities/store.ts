@@ -125,6 +125,7 @@ export interface Trajectory {
   lossMask: number[]; // [T] 1 = sampled by the policy
   routedExperts?: number[][][]; // [T][layers][top_k] for MoE routing replay
   teacherLogprobs?: number[]; // [T] on-policy distillation: the teacher pool's logprob of each sampled token, 0 elsewhere
+  images?: string[]; // processed image files of its placeholder runs, in order (stored relative to the store root)
 }
 
 export interface TrajectoryMeta {
@@ -164,6 +165,8 @@ export async function writeTrajectory(storeRoot: string, key: string, t: Traject
   const metadata = {
     format: TRAJECTORY_FORMAT, run: meta.run, group: String(meta.group), episode: String(meta.episode),
     segment: String(meta.segment), reward: String(meta.reward), finish: meta.finish,
+    ...(t.images?.length
+      ? { images: JSON.stringify(t.images.map((p) => path.relative(storeRoot, path.resolve(storeRoot, p)))) } : {}),
   };
   await writeFileAtomic(path.join(storeRoot, key), encodeSafetensors(tensors, metadata));
 }
@@ -178,6 +181,7 @@ export function readTrajectory(storeRoot: string, key: string): { trajectory: Tr
     tokens: Array.from(tensors.tokens.data), logprobs: Array.from(tensors.logprobs.data),
     versions: Array.from(tensors.versions.data), lossMask: Array.from(tensors.loss_mask.data),
   };
+  if (metadata.images) trajectory.images = JSON.parse(metadata.images);
   if (tensors.teacher_logprobs) trajectory.teacherLogprobs = Array.from(tensors.teacher_logprobs.data);
   const re = tensors.routed_experts;
   if (re) {

@@ -3,7 +3,7 @@
 import { spawn } from 'node:child_process';
 import type { ChatMessage, ChatTemplate, ToolSpec } from './chat-template';
 import type { Pools } from './contract';
-import type { FinishReason, GenerateFn, Sampling, Segment } from './chat-session';
+import type { FinishReason, GenerateFn, ProcessImageFn, Sampling, Segment } from './chat-session';
 import type { LoopbackServer } from './loopback';
 
 export interface ChatContext {
@@ -44,11 +44,14 @@ export async function runChatEpisode(opts: {
   sampling: Sampling;
   maxContext: number;
   pools?: Pools;
+  processImage?: ProcessImageFn; // vision-language policies: how the episode's images reach the engine and the store
 }): Promise<ChatEpisode> {
   const { server, template } = opts;
   const stopIds = [...new Set([...opts.sampling.stop_token_ids, ...template.endOfTurnIds()])];
   const defaults = { ...opts.sampling, stop_token_ids: stopIds };
-  const session = server.openSession({ template, generate: opts.generate, defaults, maxContext: opts.maxContext });
+  const session = server.openSession({
+    template, generate: opts.generate, defaults, maxContext: opts.maxContext, processImage: opts.processImage,
+  });
   try {
     const result = await opts.agent.run({
       ...server.urls(session), model: 'policy', apiKey: session.apiKey,

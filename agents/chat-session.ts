@@ -10,7 +10,9 @@
 //   rewrites the prefix (compaction, a template that drops earlier reasoning, other tools): the
 //   current segment is sealed and a new one starts from the tokenized render.
 import { randomBytes } from 'node:crypto';
-import type { ChatMessage, ChatTemplate, ToolCall, ToolSpec } from './chat-template';
+import {
+  imagesOf, type ChatMessage, type ChatTemplate, type TextMessage, type ToolCall, type ToolSpec,
+} from './chat-template';
 import { deriveSeed } from './env-runner';
 import { parseToolCalls } from './tool-calls';
 
@@ -27,12 +29,19 @@ export interface Generation { token_ids: number[]; logprobs: number[]; versions:
 // The router plugs in here (session affinity; on failover it resubmits the accumulated ids). One that
 // streams calls onToken with each sampled id as it arrives; true back ends the generation after that
 // id (a client stop string is complete), with finish_reason "stop". One that does not stream may
-// ignore onToken: the session cuts the finished reply at the same id.
+// ignore onToken: the session cuts the finished reply at the same id. images: the processed image files of
+// the prompt's placeholder runs, in order (vision-language models; empty otherwise).
 export type GenerateFn = (sessionId: string, promptIds: number[], sampling: Sampling,
-  onToken?: (id: number) => boolean) => Promise<Generation>;
+  onToken?: (id: number) => boolean, images?: string[]) => Promise<Generation>;
 
-// Same meaning as the trajectory store: logprobs 0, versions -1, loss_mask 0 where not sampled.
-export interface Segment { tokens: number[]; logprobs: number[]; versions: number[]; loss_mask: number[] }
+// Same meaning as the trajectory store: logprobs 0, versions -1, loss_mask 0 where not sampled; images: the
+// processed image files of its placeholder runs, in order (the store's `images` metadata).
+export interface Segment {
+  tokens: number[]; logprobs: number[]; versions: number[]; loss_mask: number[]; images?: string[];
+}
+// An image the agent sent (base64 of the file), processed once by the engine and stored: its file and how many
+// placeholder tokens it fills. A ValueError-like rejection (bad image) comes back as an Error with the reason.
+export type ProcessImageFn = (data: string) => Promise<{ path: string; tokens: number }>;
 
 export interface TurnRequest {
   messages: ChatMessage[];
@@ -45,7 +54,7 @@ export interface TurnRequest {
   retry: boolean; // the client marked it a retry: an earlier request with the same key gets its reply again
 }
 export interface Choice {
-  message: ChatMessage; // the assistant turn, as the agent should send it back
+  message: TextMessage; // the assistant turn, as the agent should send it back
   finishReason: FinishReason;
   stopText?: string; // the client stop string that ended the turn (not part of the content)
   completionTokens: number;
@@ -66,6 +75,7 @@ export interface SessionOptions {
   generate: GenerateFn;
   defaults: Sampling; // the recipe's sampling; stop_token_ids must hold the end-of-turn ids
   maxContext: number;
+  processImage?: ProcessImageFn; // vision-language models: how images reach the engine and the store
 }
 
 // Where a reply sits: its segment, the ids it was sampled after (tokens [0, promptEnd)) and its end.
@@ -127,7 +137,9 @@ export class ChatSession {
     const render = template.render(req.messages, req.tools, true);
     const from = this.continued(req, render); // null: a new conversation
     const prompt = from ? [...from.branch.segment.tokens.slice(0, from.at), ...from.appended]
-      : template.tokenizer.encode(render);
+      : template.encode(render, imagesOf(req.messages));
+    // The prompt's ids hold the images of every message in order: earlier ones in the prefix, new ones appended.
+    const images = imagesOf(req.messages).map((im) => im.path);
 
     // max_tokens is clamped to what is left of the context; a full context ends with "length".
     const remaining = maxContext - prompt.length;
@@ -141,7 +153,7 @@ export class ChatSession {
       const seed = sampling.seed === undefined || i === 0 ? sampling.seed : deriveSeed(sampling.seed, i);
       const text = new SampleText(this, req.stop, req.parseTools, onText && ((delta) => onText(i, delta)));
       const params = { ...sampling, ...(seed === undefined ? {} : { seed }) };
-      const gen: Generation = remaining > 0 ? await generate(this.id, prompt, params, (id) => text.push(id))
+      const gen: Generation = remaining > 0 ? await generate(this.id, prompt, params, (id) => text.push(id), images)
         : { token_ids: [], logprobs: [], versions: [], finish_reason: 'length' };
       samples.push(text.finish(gen));
     }
@@ -159,11 +171,12 @@ export class ChatSession {
         this.all.push(seg);
         for (const id of prompt) push(seg, id, 0, -1, 0);
       }
+      if (images.length) seg.images = images;
       const promptEnd = seg.tokens.length;
       gen.token_ids.forEach((id, k) => push(seg, id, gen.logprobs[k], gen.versions[k], 1));
       const parsed = req.parseTools ? parseToolCalls(sample.text, () => 'call_' + randomBytes(8).toString('hex'))
         : { content: sample.text, toolCalls: [] as ToolCall[] };
-      const message: ChatMessage = { role: 'assistant', content: parsed.content };
+      const message: Choice['message'] = { role: 'assistant', content: parsed.content };
       if (parsed.toolCalls.length) message.tool_calls = parsed.toolCalls;
       this.branches.push({
         segment: seg, promptEnd, end: seg.tokens.length, request: req.messages,
@@ -185,6 +198,15 @@ export class ChatSession {
   // Text for the agent and for aligning with the template; never used to rebuild ids.
   decode(ids: number[]): string {
     return ids.length ? this.opts.template.tokenizer.decode(ids) : '';
+  }
+
+  // An image of a request, processed and stored once (the same image again: the same file).
+  async processImage(data: string): Promise<{ path: string; tokens: number }> {
+    if (this.opts.template.imageToken === undefined) {
+      throw new Error('the policy is not a vision-language model: it takes no images');
+    }
+    if (!this.opts.processImage) throw new Error('images are not taken here (no image store: evaluation episodes)');
+    return this.opts.processImage(data);
   }
 
   isEndOfTurn(id: number): boolean {
@@ -217,7 +239,7 @@ export class ChatSession {
     if (!render.startsWith(prevRender) || !prevRender.startsWith(branch.promptRender)) return null;
     const glue = this.glueAfterReply(branch, prevRender.slice(branch.promptRender.length));
     if (glue === null) return null;
-    return this.opts.template.tokenizer.encode(glue + render.slice(prevRender.length));
+    return this.opts.template.encode(glue + render.slice(prevRender.length), imagesOf(req.messages.slice(prev.length)));
   }
 
   // `replyRender` is how the template renders our reply turn, e.g. "hi<|im_end|>\n". The sampled ids

@@ -32,6 +32,9 @@ export interface EnvTask extends GroupTask {
 
 export interface EnvObservation {
   observation: string; // text the framework tokenizes and appends (never trained on)
+  // vision-language policies: base64 image files, one per <|image_pad|> of the observation (in the model's own
+  // vision block, e.g. <|vision_start|><|image_pad|><|vision_end|>), processed and stored by the framework
+  images?: string[];
   info?: Record<string, unknown>;
 }
 
@@ -42,6 +45,7 @@ export interface EnvAction {
 
 export interface EnvStepResult {
   observation?: string; // appended before the next turn; ignored once the episode ends
+  images?: string[]; // as EnvObservation.images
   reward: number; // summed over the steps of an episode
   terminated: boolean; // the task reached an end state
   truncated: boolean; // cut short (step limit, ...)

@@ -9,8 +9,10 @@
 // through ([layers][top_k], from the forward that produced its logits); observation tokens, and sampled
 // tokens the engine returned no routing for, get -1 rows: the actor routes those itself, and with
 // replay on it masks such sampled tokens from the loss rather than guess their experts.
-import type { GenerateRequest, GenerateResponse } from '../activities/gpu-client';
+import { ServiceError, type GenerateRequest, type GenerateResponse } from '../activities/gpu-client';
 import type { Trajectory } from '../activities/store';
+import type { ProcessImageFn } from './chat-session';
+import { encodeWithImages } from './chat-template';
 import type { Env, EnvTask } from './contract';
 import type { SamplingConfig } from './recipe';
 import type { TextTokenizer } from './tokenizer';
@@ -46,6 +48,7 @@ export interface EpisodeInput {
   maxContext: number; // most tokens in the whole sequence
   runSeed: number;
   routedExperts?: boolean; // ask the engine for each sampled token's experts and store them (algo.routing_replay)
+  processImage?: ProcessImageFn; // vision-language policies: an observation's image processed and stored once
 }
 
 export interface EpisodeResult {
@@ -68,19 +71,43 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
   const { env, task, tokenizer, maxContext } = input;
   const t: Trajectory = { tokens: [], logprobs: [], versions: [], lossMask: [] };
   const routes: (number[][] | null)[] = []; // aligned with t.tokens: a sampled token's experts, null where none
+  const images: string[] = []; // the trajectory's processed images, in placeholder order
   const appendObservation = (ids: number[]) => {
     for (const id of ids) { t.tokens.push(id); t.logprobs.push(0); t.versions.push(-1); t.lossMask.push(0); routes.push(null); }
   };
   const end = (finish: EpisodeFinish, turns: number): EpisodeResult => {
     const shape = routes.find((r) => r !== null); // [layers][top_k] of any record; none: nothing to store
     if (input.routedExperts && shape) t.routedExperts = routes.map((r) => r ?? shape.map((layer) => layer.map(() => -1)));
+    if (images.length) t.images = images;
     return { trajectory: t, reward, finish, turns, metrics };
   };
 
+  // An observation's ids, its images expanded to their placeholder counts; a bad image fails the episode.
+  const observe = async (text: string, images: unknown, what: string): Promise<{ ids: number[]; paths: string[] }> => {
+    if (images !== undefined && (!Array.isArray(images) || images.some((x) => typeof x !== 'string'))) {
+      throw new AgentError(`env ${what}: images must be a list of base64 image files`);
+    }
+    const stored = [];
+    for (const [k, data] of ((images ?? []) as string[]).entries()) {
+      if (!input.processImage) throw new AgentError(`env ${what}: images[${k}]: the policy takes no images here`);
+      stored.push(await input.processImage(data).catch((e) => {
+        const bad = e instanceof ServiceError && e.status === 400; // the image, not the engine
+        throw bad ? new AgentError(`env ${what}: images[${k}]: ${e.message}`, { cause: e }) : e;
+      }));
+    }
+    try {
+      return { ids: encodeWithImages(tokenizer, text, stored.map((s) => s.tokens), `env ${what}: the observation`),
+        paths: stored.map((s) => s.path) };
+    } catch (e) {
+      throw new AgentError((e as Error).message);
+    }
+  };
   const first = await envCall('reset', () => env.reset(task));
   if (typeof first?.observation !== 'string') throw new AgentError('env reset must return { observation: string }');
   const bos = tokenizer.config.add_bos_token ? tokenizer.tokenId(String(tokenizer.config.bos_token)) : undefined;
-  appendObservation([...(bos === undefined ? [] : [bos]), ...tokenizer.encode(first.observation)]);
+  const obs = await observe(first.observation, first.images, 'reset');
+  appendObservation([...(bos === undefined ? [] : [bos]), ...obs.ids]);
+  images.push(...obs.paths);
   if (t.tokens.length === 0) throw new AgentError('env reset returned an empty observation: nothing to generate from');
   if (t.tokens.length >= maxContext) throw new AgentError(`the first observation is ${t.tokens.length} tokens, max_context is ${maxContext}`);
 
@@ -103,6 +130,7 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
           seed: deriveSeed(input.runSeed, task.groupIndex, task.episode, turn, attempt),
         },
         ...(input.routedExperts ? { return_routed_experts: true } : {}),
+        ...(images.length ? { images: [...images] } : {}),
       });
       if (res.logprobs.length !== res.token_ids.length || res.versions.length !== res.token_ids.length) {
         throw new Error(`engine returned ${res.token_ids.length} tokens but ${res.logprobs.length} logprobs and ${res.versions.length} versions`);
@@ -126,10 +154,11 @@ export async function runEnvEpisode(input: EpisodeInput): Promise<EpisodeResult>
     if (result.terminated) return end('terminated', turn + 1);
     if (result.truncated) return end('truncated', turn + 1);
     if (result.observation) {
-      const ids = tokenizer.encode(result.observation);
+      const { ids, paths } = await observe(result.observation, result.images, 'step');
       // No room for the observation and a reply: the episode ends here.
       if (t.tokens.length + ids.length >= maxContext) return end('context', turn + 1);
       appendObservation(ids);
+      images.push(...paths);
     }
     overrides = result.sampling ?? {};
   }

@@ -12,7 +12,7 @@
 import { createHash, randomBytes } from 'node:crypto';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
-import type { ChatMessage, ToolSpec } from './chat-template';
+import type { ChatMessage, ContentPart, ImagePart, ToolSpec } from './chat-template';
 import {
   ChatSession, type Choice, type Sampling, type SessionOptions, type TurnReply, type TurnRequest,
 } from './chat-session';
@@ -89,7 +89,9 @@ export class LoopbackServer {
         return sendError(res, api, 405, `${route} is not served`);
       }
       const body = await readJson(req);
-      const parsed = api === 'openai' ? openaiTurn(body) : anthropicTurn(body, session);
+      const images: PendingImage[] = [];
+      const parsed = api === 'openai' ? openaiTurn(body, images) : anthropicTurn(body, session, images);
+      await resolveImages(images, session);
       const idempotencyKey = req.headers['idempotency-key'];
       const keyed = typeof idempotencyKey === 'string' && idempotencyKey !== '';
       const turn: TurnRequest = {
@@ -163,6 +165,50 @@ function textOf(content: unknown, where: string): string {
   return bad(`${where}: content must be a string or a list of text parts`);
 }
 
+// An image part as sent (base64 of the file), processed by the engine before the turn (resolveImages).
+type PendingImage = ImagePart & { data: string; where: string };
+
+// A user or tool message's content: text (a string, or text parts joined), or parts when it holds images:
+// OpenAI image_url parts with a data URL, Anthropic image blocks with a base64 source.
+function contentOf(content: unknown, where: string, images: PendingImage[],
+  indices?: number[]): string | ContentPart[] {
+  if (!Array.isArray(content)) return textOf(content, where);
+  const parts: ContentPart[] = [];
+  content.forEach((part, k) => {
+    const at = `${where}.content[${indices?.[k] ?? k}]`;
+    let data: string | undefined;
+    if (part?.type === 'text' && typeof part.text === 'string') {
+      const last = parts[parts.length - 1];
+      if (last?.type === 'text') last.text += part.text;
+      else parts.push({ type: 'text', text: part.text });
+      return;
+    } else if (part?.type === 'image_url') {
+      const url = typeof part.image_url?.url === 'string' ? part.image_url.url : '';
+      data = /^data:image\/[\w.+-]+;base64,/.test(url) ? url.slice(url.indexOf(',') + 1)
+        : bad(`${at}: image_url must be a data URL (data:image/<type>;base64,...): the loopback server fetches nothing`);
+    } else if (part?.type === 'image') {
+      data = part.source?.type === 'base64' && typeof part.source.data === 'string' ? part.source.data
+        : bad(`${at}: an image block needs a base64 source (the loopback server fetches nothing)`);
+    } else {
+      bad(`${at}: content part type ${JSON.stringify(part?.type)} is not supported (text and images only)`);
+    }
+    const image: PendingImage = { type: 'image', path: '', tokens: 0, data: data!, where: at };
+    images.push(image);
+    parts.push(image);
+  });
+  return parts.some((p) => p.type === 'image') ? parts : parts.map((p) => (p as { text: string }).text).join('');
+}
+
+// Each image goes to the engine once (a 400 there names the message and part), then holds its stored file.
+async function resolveImages(images: PendingImage[], session: ChatSession): Promise<void> {
+  for (const image of images) {
+    const stored = await session.processImage(image.data).catch((e) => bad(`${image.where}: ${(e as Error).message}`));
+    Object.assign(image, stored);
+    delete (image as Partial<PendingImage>).data;
+    delete (image as Partial<PendingImage>).where;
+  }
+}
+
 function parseArguments(args: unknown): unknown {
   if (typeof args !== 'string') return args ?? {};
   try { return JSON.parse(args); } catch { return args; } // the template renders a string as is
@@ -194,7 +240,7 @@ const OPENAI_FIELDS = ['model', 'messages', 'tools', 'tool_choice', 'max_tokens'
 
 type ParsedTurn = Omit<TurnRequest, 'key' | 'retry'>;
 
-function openaiTurn(body: Record<string, unknown>) {
+function openaiTurn(body: Record<string, unknown>, images: PendingImage[]) {
   allowOnly(body, OPENAI_FIELDS, 'chat.completions');
   if (body.parallel_tool_calls === false) bad('parallel_tool_calls false is not supported');
   if (body.max_tokens !== undefined && body.max_completion_tokens !== undefined) {
@@ -205,7 +251,7 @@ function openaiTurn(body: Record<string, unknown>) {
     const where = `messages[${i}]`;
     switch (m?.role) {
       case 'system': case 'developer': return { role: 'system', content: textOf(m.content, where) };
-      case 'user': return { role: 'user', content: textOf(m.content, where) };
+      case 'user': return { role: 'user', content: contentOf(m.content, where, images) };
       case 'tool':
         if (typeof m.tool_call_id !== 'string') bad(`${where}: a tool message needs tool_call_id`);
         return { role: 'tool', content: textOf(m.content, where), tool_call_id: m.tool_call_id as string };
@@ -241,7 +287,7 @@ function openaiTurn(body: Record<string, unknown>) {
 const ANTHROPIC_FIELDS = ['model', 'messages', 'max_tokens', 'system', 'tools', 'tool_choice', 'temperature', 'top_p',
   'top_k', 'stop_sequences', 'stream', 'metadata'];
 
-function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
+function anthropicTurn(body: Record<string, unknown>, session: ChatSession, images: PendingImage[]) {
   allowOnly(body, ANTHROPIC_FIELDS, 'messages');
   if (!Array.isArray(body.messages) || !body.messages.length) bad('messages must be a non-empty list');
   const messages: ChatMessage[] = [];
@@ -261,14 +307,18 @@ function anthropicTurn(body: Record<string, unknown>, session: ChatSession) {
       }
       messages.push(msg);
     } else if (m.role === 'user') {
-      // Blocks keep their order: tool results become tool messages, runs of text one user message.
-      let text: string | null = null;
-      const flush = () => { if (text !== null) messages.push({ role: 'user', content: text }); text = null; };
-      for (const b of blocks as any[]) {
-        if (b?.type === 'text') text = (text ?? '') + b.text;
+      // Blocks keep their order: tool results become tool messages, runs of text and images one user message.
+      let run: [number, unknown][] = [];
+      const flush = () => {
+        const content = () => contentOf(run.map((r) => r[1]), where, images, run.map((r) => r[0]));
+        if (run.length) messages.push({ role: 'user', content: content() });
+        run = [];
+      };
+      for (const [k, b] of (blocks as any[]).entries()) {
+        if (b?.type === 'text' || b?.type === 'image') run.push([k, b]);
         else if (b?.type === 'tool_result') {
           flush();
-          const content = textOf(b.content, `${where} tool_result`);
+          const content = contentOf(b.content, `${where}.content[${k}]`, images);
           const result: ChatMessage = { role: 'tool', content, tool_call_id: String(b.tool_use_id) };
           if (b.is_error !== undefined && typeof b.is_error !== 'boolean') {
             bad(`${where} tool_result: is_error must be a boolean`);

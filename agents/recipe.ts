@@ -183,7 +183,8 @@ export type SamplingConfig = RecipeConfig['sampling'];
 // "tiny" names the generated tiny model that infra/bootstrap.sh writes; anything else is a local HF directory.
 export const REPO_ROOT = path.resolve(__dirname, '..');
 export function resolveModelDir(model: string): string {
-  return model === 'tiny' ? path.join(REPO_ROOT, '.molt', 'models', 'tiny') : path.resolve(model);
+  // the models made locally (infra/bootstrap.sh): a text policy and a vision-language one (recipes/geo)
+  return model === 'tiny' || model === 'tiny-vlm' ? path.join(REPO_ROOT, '.molt', 'models', model) : path.resolve(model);
 }
 
 // Reads <recipeDir>/recipe.json, applies dotted overrides ({"algo.lr": "1e-6"}: values that look

@@ -19,6 +19,7 @@
 // engines it may use (a prompt group's, fixed when the group started); the default is the worker's.
 import {
   callService, ServiceError, streamGenerate, type EngineHealth, type GenerateChunk, type GenerateRequest, type GenerateResponse,
+  type ImageRequest, type ImageResponse,
 } from '../activities/gpu-client';
 
 const PROBE_INTERVAL_MS = 1_000;
@@ -94,6 +95,12 @@ export class EngineRouter {
       this.token, { body: { token_ids: tokenIds }, request: 'ScoreRequest', response: 'ScoreResponse', signal,
         timeoutMs: this.deadline.baseMs }));
     return res.logprobs;
+  }
+
+  // An image processed by the session's engine (POST /images) and stored content-addressed in body.dir.
+  async image(session: string, body: ImageRequest, signal?: AbortSignal, pool = this.engines): Promise<ImageResponse> {
+    return this.route(session, signal, pool, (engine) => callService<ImageResponse>(engine, '/images',
+      this.token, { body, request: 'ImageRequest', response: 'ImageResponse', signal, timeoutMs: this.deadline.baseMs }));
   }
 
   // One call of a session on one of these engines, failed over to another on an unreachable or 5xx engine

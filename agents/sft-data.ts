@@ -10,7 +10,7 @@
 import { readFileSync } from 'node:fs';
 import * as path from 'node:path';
 import type { SftExample } from '../activities/gpu-client';
-import { ChatTemplate, type ChatMessage } from './chat-template';
+import { ChatTemplate, contentText, type ChatMessage } from './chat-template';
 import { loadAgentRunner, type AgentRunner, type Demonstration } from './contract';
 import { resolveModelDir, type RecipeConfig } from './recipe';
 import { tokenizerFor, type TextTokenizer } from './tokenizer';
@@ -44,7 +44,9 @@ export function envExample(tokenizer: TextTokenizer, demo: Demonstration): SftEx
   const bos = tokenizer.config.add_bos_token ? tokenizer.tokenId(String(tokenizer.config.bos_token)) : undefined;
   const out: SftExample = { tokens: bos === undefined ? [] : [bos], mask: bos === undefined ? [] : [0] };
   for (const m of demo.messages) {
-    for (const id of tokenizer.encode(m.content)) { out.tokens.push(id); out.mask.push(m.role === 'assistant' ? 1 : 0); }
+    for (const id of tokenizer.encode(contentText(m.content))) {
+      out.tokens.push(id); out.mask.push(m.role === 'assistant' ? 1 : 0);
+    }
   }
   return out;
 }

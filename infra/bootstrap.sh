@@ -28,4 +28,9 @@ if [ ! -f .molt/models/tiny/model.safetensors ]; then
   .venv/bin/python gpu-services/make_tiny_model.py --out .molt/models/tiny >/dev/null 2>&1 \
     || .venv/bin/python gpu-services/make_tiny_model.py --out .molt/models/tiny
 fi
+if [ ! -f .molt/models/tiny-vlm/model.safetensors ]; then
+  echo "[bootstrap] tiny vision-language model -> .molt/models/tiny-vlm"
+  .venv/bin/python recipes/geo/make_tiny_vlm.py --out .molt/models/tiny-vlm >/dev/null 2>&1 \
+    || .venv/bin/python recipes/geo/make_tiny_vlm.py --out .molt/models/tiny-vlm
+fi
 echo "[bootstrap] ready"

@@ -39,7 +39,7 @@ async function startService(name: string, args: string[]): Promise<Service> {
     proc.kill('SIGTERM');
     await exited;
   };
-  for (let i = 0; i < 600; i++) {
+  for (let i = 0; i < 1500; i++) { // a loaded shared machine takes minutes to import torch and transformers
     if (proc.exitCode !== null) throw new Error(`${name} exited with ${proc.exitCode}:\n${output}`);
     try {
       const res = await fetch(`${url}/health`, { headers: { authorization: `Bearer ${TOKEN}` } });
@@ -48,7 +48,7 @@ async function startService(name: string, args: string[]): Promise<Service> {
     await new Promise((r) => setTimeout(r, 200));
   }
   await stop();
-  throw new Error(`${name} did not become healthy within 120 s:\n${output}`);
+  throw new Error(`${name} did not become healthy within 300 s:\n${output}`);
 }
 
 export function startEngine(model: string, ...extra: string[]): Promise<Service> {

@@ -143,7 +143,7 @@ test('bad requests get a 400 naming the problem, and the server keeps serving', 
   }
   const bad = await openai.chat.completions.create({ model: 'policy', messages: [{ role: 'user', content: [{ type: 'image_url', image_url: { url: 'x' } }] }] }).catch((e) => e);
   expect(bad.status).toBe(400);
-  expect(bad.message).toMatch(/only text content parts/);
+  expect(bad.message).toMatch(/messages\[0\]\.content\[0\]: image_url must be a data URL/);
   const thinking = await anthropic.messages.create({ model: 'policy', max_tokens: 5, messages: [{ role: 'user', content: 'x' }], thinking: { type: 'enabled', budget_tokens: 1024 } }).catch((e) => e);
   expect(thinking).toBeInstanceOf(Anthropic.BadRequestError);
   expect(thinking.message).toMatch(/field .{0,2}"thinking.{0,2}" is not supported/);

@@ -9,6 +9,7 @@ import { EVAL_GROUP_BASE, evaluate, type EvaluateResult } from '../../activities
 import { rolloutGroup } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
+import { contentText } from '../../agents/chat-template';
 import { deriveSeed } from '../../agents/env-runner';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
 import { tokenizerFor } from '../../agents/tokenizer';
@@ -43,10 +44,10 @@ test('demonstrations: deterministic, correct, train problems, within the recipe\
     const { messages } = demonstration(i, config.env);
     const p = demonstrationProblem(i, settings);
     expect(messages).toEqual([{ role: 'user', content: observationOf(p) }, { role: 'assistant', content: ` \\boxed{${p.answer}}` }]);
-    expect(reward(messages[1].content, p.answer)).toBe(1);
+    expect(reward(contentText(messages[1].content), p.answer)).toBe(1);
     expect(splitOf(p.text, settings.evalFraction)).toBe('train');
-    expect(tokenizer.encode(messages[1].content).length).toBeLessThanOrEqual(config.sampling.max_tokens);
-    expect(tokenizer.encode(messages[0].content + messages[1].content).length).toBeLessThanOrEqual(config.max_context);
+    expect(tokenizer.encode(contentText(messages[1].content)).length).toBeLessThanOrEqual(config.sampling.max_tokens);
+    expect(tokenizer.encode(contentText(messages[0].content) + contentText(messages[1].content)).length).toBeLessThanOrEqual(config.max_context);
   }
 });
 

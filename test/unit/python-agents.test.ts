@@ -14,7 +14,7 @@ import { readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { runChatEpisode } from '../../agents/chat-runner';
 import type { GenerateFn, Sampling } from '../../agents/chat-session';
-import { ChatTemplate, type ChatMessage } from '../../agents/chat-template';
+import { ChatTemplate, contentText, type ChatMessage } from '../../agents/chat-template';
 import { deriveSeed } from '../../agents/env-runner';
 import { LoopbackServer } from '../../agents/loopback';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
@@ -98,7 +98,7 @@ describe('the Python tool-calc agent against the loopback server, the policy scr
       const render = template.render([m], undefined, false);
       return render.slice('<|im_start|>assistant\n'.length, render.lastIndexOf('<|im_end|>'));
     });
-    const answer = parseNumber(/\\boxed\{(.+)\}/.exec(assistant[assistant.length - 1].content)![1])!.toString();
+    const answer = parseNumber(/\\boxed\{(.+)\}/.exec(contentText(assistant[assistant.length - 1].content))![1])!.toString();
     const r = await episode(replies, { ...LABEL, answer }, demo.messages.slice(0, 1));
     expect(r.reward).toBe(1);
     const full = template.tokenizer.encode(template.render(demo.messages, demo.tools, false));

@@ -12,7 +12,7 @@ import { rolloutGroup } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import type { GenerateFn, Sampling } from '../../agents/chat-session';
-import { ChatTemplate, type ChatMessage } from '../../agents/chat-template';
+import { ChatTemplate, contentText, type ChatMessage } from '../../agents/chat-template';
 import { deriveSeed } from '../../agents/env-runner';
 import { LoopbackServer } from '../../agents/loopback';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
@@ -145,7 +145,7 @@ describe('the agent loop with the openai client against the loopback server', ()
     assistant.slice(0, -1).forEach((m, i) => {
       expect(parseToolCalls(replies[i], () => 'x').toolCalls.map((c) => c.function)).toEqual(m.tool_calls!.map((c) => c.function));
     });
-    const label = { ...LABEL, answer: String(/\\boxed\{(.+)\}/.exec(assistant[assistant.length - 1].content)![1]) };
+    const label = { ...LABEL, answer: String(/\\boxed\{(.+)\}/.exec(contentText(assistant[assistant.length - 1].content))![1]) };
     const r = await episode(replies, label, demo.messages.slice(0, 1));
     expect(r.reward).toBe(1);
     expect(r.messages.filter((m) => m.role === 'tool').map((m) => m.content))
