@@ -6,7 +6,11 @@
 // penalty set to 0 so that a reward is 1 for the exact answer and 0 otherwise. Standard errors: sqrt(p(1-p)/n).
 //
 //   npx tsx bench/sft-rl.ts [--recipes tool-calc,math] [--model tiny|DIR] [--sft-steps 800] [--rl-steps 30]
-//                           [--eval 256] [--out docs/learning] [--set key=value,...]
+//                           [--eval 256] [--out docs/learning] [--set key=value,...] [--keep DIR] [--sft-from CKPT]
+//
+// --keep DIR copies the SFT run's checkpoints and the final RL checkpoint to DIR/<recipe>-sft and DIR/<recipe>-rl
+// (the stack's folder is deleted at the end); --sft-from CKPT skips SFT and starts from that checkpoint (one that
+// --keep kept), so that a long warm start is paid once for several RL runs.
 //
 // Writes <out>/agentic-report.md, agentic-report.json and agentic-sft-loss.png.
 import { execFileSync } from 'node:child_process';
@@ -31,7 +35,7 @@ import { withStack } from './loops';
 // learning rate, and for tool-calc (episodes of ~650 tokens, mostly the tools prompt) fewer demonstrations per SFT
 // step and fewer groups per RL step.
 const PLAN: Record<string, Record<string, string>> = {
-  'tool-calc': { 'env.templates': '["add"]', 'env.operands': '[10,99]', 'env.max_turns': '2', 'sft.batch': '8',
+  'tool-calc': { 'env.templates': '["add"]', 'env.operands': '[1,9]', 'env.max_turns': '2', 'sft.batch': '8',
     'sft.lr': '0.003', 'algo.lr': '0.0005', 'batch.groups': '4', 'pool.inflight': '6' },
   math: { 'env.templates': '["add"]', 'env.operands': '[1,9]', 'sft.batch': '16', 'sft.lr': '0.003', 'algo.lr': '0.0005' },
 };
@@ -45,6 +49,8 @@ const { values: opts } = parseArgs({
     eval: { type: 'string', default: '256' },
     out: { type: 'string', default: 'docs/learning' },
     set: { type: 'string', default: '' },
+    keep: { type: 'string' },
+    'sft-from': { type: 'string' },
   },
 });
 
@@ -118,34 +124,47 @@ async function runRecipe(recipe: string): Promise<Result> {
     const stamp = Date.now();
     const sftId = `${recipe}-sft-${stamp}`;
     let t0 = Date.now();
-    const sft = await client.workflow.execute(sftRun, {
-      workflowId: runWorkflowId(sftId), taskQueue: TASK_QUEUES.control, args: [{ runId: sftId, recipeDir, config }],
-    });
+    let sftCheckpoint = opts['sft-from'] ? path.resolve(opts['sft-from']) : '';
+    let sftMetrics: Record<string, number>[] = [];
+    let sftLosses: number[] = [];
+    if (!sftCheckpoint) {
+      const sft = await client.workflow.execute(sftRun, {
+        workflowId: runWorkflowId(sftId), taskQueue: TASK_QUEUES.control, args: [{ runId: sftId, recipeDir, config }],
+      });
+      sftCheckpoint = sft.checkpoint!.path;
+      sftMetrics = readMetrics(stack, sftId);
+      sftLosses = sft.losses;
+      console.log(`${recipe}: SFT ${sft.step} steps in ${((Date.now() - t0) / 1000).toFixed(0)} s, loss ${sft.losses[0].toFixed(3)} -> ${sft.loss?.toFixed(3)}`);
+      if (opts.keep) {
+        fs.cpSync(path.dirname(sftCheckpoint), path.join(opts.keep, `${recipe}-sft`), { recursive: true });
+        fs.cpSync(path.join(stack.storeRoot, sftId, 'metrics.jsonl'), path.join(opts.keep, `${recipe}-sft`, 'metrics.jsonl'));
+      }
+    }
     const sftSeconds = (Date.now() - t0) / 1000;
-    const sftMetrics = readMetrics(stack, sftId);
-    console.log(`${recipe}: SFT ${sft.step} steps in ${sftSeconds.toFixed(0)} s, loss ${sft.losses[0].toFixed(3)} -> ${sft.loss?.toFixed(3)}`);
-    const before = await heldOut(stack, recipeDir, config, sft.checkpoint!.path, 100_000);
+    const before = await heldOut(stack, recipeDir, config, sftCheckpoint, 100_000);
     console.log(`${recipe}: before RL: greedy ${before.greedy.toFixed(3)}, sampled ${before.sampled.toFixed(3)} (n=${before.n}, ${before.seconds.toFixed(0)} s)`);
 
     const rlId = `${recipe}-rl-${stamp}`;
     t0 = Date.now();
     const rl = await client.workflow.execute(trainRun, {
       workflowId: runWorkflowId(rlId), taskQueue: TASK_QUEUES.control,
-      args: [{ runId: rlId, recipeDir, config: { ...config, init: sft.checkpoint!.path } }],
+      args: [{ runId: rlId, recipeDir, config: { ...config, init: sftCheckpoint } }],
     });
     const rlSeconds = (Date.now() - t0) / 1000;
     const rlMetrics = readMetrics(stack, rlId);
+    console.log(`${recipe}: RL ${rl.steps} steps in ${rlSeconds.toFixed(0)} s, batch reward ${rlMetrics.map((m) => m['rollout/reward_mean'].toFixed(2)).join(' ')}`);
+    if (opts.keep) fs.cpSync(rl.checkpoint!, path.join(opts.keep, `${recipe}-rl`), { recursive: true });
     const after = await heldOut(stack, recipeDir, config, rl.checkpoint!, 100_001);
     console.log(`${recipe}: after ${rl.steps} RL steps (${rlSeconds.toFixed(0)} s): greedy ${after.greedy.toFixed(3)}, sampled ${after.sampled.toFixed(3)}`);
     const params = Number(execFileSync(path.join(REPO_ROOT, '.venv', 'bin', 'python'), ['-c',
       'import sys; from safetensors.torch import load_file; print(sum(t.numel() for t in load_file(sys.argv[1]).values()))',
-    path.join(sft.checkpoint!.path, 'model.safetensors')]).toString());
+    path.join(sftCheckpoint, 'model.safetensors')]).toString());
     const actorKey = (m: Record<string, number>, k: string) => m[k] ?? m[`actor/${k}`];
     return {
       recipe, model: opts.model, params,
       sft: {
-        steps: sft.step, seconds: sftSeconds, loss: sft.losses, accuracy: sftMetrics.map((m) => m.token_accuracy),
-        tokensPerStep: mean(sftMetrics.map((m) => m['tokens/total'])),
+        steps: sftLosses.length, seconds: sftSeconds, loss: sftLosses, accuracy: sftMetrics.map((m) => m.token_accuracy),
+        tokensPerStep: sftMetrics.length ? mean(sftMetrics.map((m) => m['tokens/total'])) : 0,
       },
       rl: {
         steps: rl.steps, seconds: rlSeconds, reward: rlMetrics.map((m) => m['rollout/reward_mean']),
@@ -175,14 +194,15 @@ function report(results: Result[]): string {
   for (const r of results) {
     const rw = r.rl.reward;
     lines.push(`| ${r.recipe} | ${(r.params / 1e6).toFixed(2)}M | ${r.sft.steps} (${r.sft.seconds.toFixed(0)}) `
-      + `| ${r.sft.loss[0].toFixed(3)} -> ${r.sft.loss[r.sft.loss.length - 1].toFixed(3)} | ${r.rl.steps} (${r.rl.seconds.toFixed(0)}) `
+      + `| ${r.sft.loss.length ? `${r.sft.loss[0].toFixed(3)} -> ${r.sft.loss[r.sft.loss.length - 1].toFixed(3)}` : `(${opts['sft-from']})`} `
+      + `| ${r.rl.steps} (${r.rl.seconds.toFixed(0)}) `
       + `| ${(r.rl.steps / r.rl.seconds).toFixed(3)} | ${r.rl.tokensPerEpisode.toFixed(0)} (${r.rl.sampledPerEpisode.toFixed(0)}) `
       + `| ${mean(rw.slice(0, 5)).toFixed(3)} -> ${mean(rw.slice(-5)).toFixed(3)} `
       + `| ${pct(r.before.greedy, r.before.n)} -> ${pct(r.after.greedy, r.after.n)} (${z(r.before, r.after, 'greedy').toFixed(1)}) `
       + `| ${pct(r.before.sampled, r.before.n)} -> ${pct(r.after.sampled, r.after.n)} (${z(r.before, r.after, 'sampled').toFixed(1)}) |`);
   }
   lines.push('', 'SFT loss (mean cross-entropy per assistant token) every 10% of the steps:', '');
-  for (const r of results) {
+  for (const r of results.filter((x) => x.sft.loss.length)) {
     const at = Array.from({ length: 11 }, (_, i) => Math.min(r.sft.loss.length - 1, Math.round((i * (r.sft.loss.length - 1)) / 10)));
     lines.push(`- ${r.recipe}: ${at.map((i) => `${i + 1}: ${r.sft.loss[i].toFixed(3)}`).join(', ')}; `
       + `token accuracy at the end ${r.sft.accuracy[r.sft.accuracy.length - 1].toFixed(3)}`);
