@@ -223,10 +223,7 @@ for (const name of ['start', 'dev'] as const) {
       }
       if (name === 'start') return startRun(await connect(), recipeDir, config, runId, !!opts.follow);
       // dev: a local stack (Temporal dev server + UI, engines, actor, worker) for this one run.
-      await withDevStack({
-        model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size, pools: config.pools,
-      },
-        async (stack) => startRun(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233'), recipeDir, config, runId, true));
+      await withDevStack(config, (temporal) => startRun(temporal, recipeDir, config, runId, true));
     });
 }
 
@@ -254,8 +251,7 @@ withOverrides(program.command('sft'))
       console.log(`checkpoint: ${done.checkpoint?.path}`);
     };
     if (!opts.dev) return go(await connect());
-    await withDevStack({ model: config.model, engines: config.engines.count, actorWorldSize: config.actor.world_size },
-      async (stack) => go(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233')));
+    await withDevStack(config, go, false); // SFT calls no pools
   });
 
 program.command('status')
@@ -296,23 +292,17 @@ program.command('cancel')
   .description('graceful stop: the run finishes its current step, checkpoints and stops')
   .argument('<runId>')
   .action(async (runId: string) => {
-    const { handle, description } = await existingRun(await connect(), runId);
-    if (description.status.name !== 'RUNNING') {
-      throw new RunNotFound(`run ${handle.workflowId} is not running (${description.status.name})`);
-    }
-    await handle.cancel();
+    await control(runId, (h) => h.cancel());
     console.log(`stop requested for run ${runId}: it finishes its current step, checkpoints and stops`);
   });
 
-program.command('pause')
-  .description('hold training: no new step starts (rollouts fill one batch); `unpause` goes on')
-  .argument('<runId>')
-  .action(async (runId: string) => printControl(runId, await control(runId, (h) => h.executeUpdate(pauseUpdate))));
-
-program.command('unpause')
-  .description('release a paused run: training goes on')
-  .argument('<runId>')
-  .action(async (runId: string) => printControl(runId, await control(runId, (h) => h.executeUpdate(resumeUpdate))));
+for (const [name, description, update] of [
+  ['pause', 'hold training: no new step starts (rollouts fill one batch); `unpause` goes on', pauseUpdate],
+  ['unpause', 'release a paused run: training goes on', resumeUpdate],
+] as const) {
+  program.command(name).description(description).argument('<runId>')
+    .action(async (runId: string) => printControl(runId, await control(runId, (h) => h.executeUpdate(update))));
+}
 
 withOverrides(program.command('set'))
   .description('change live settings of a running run from its next step, e.g. set <runId> --algo.lr 1e-4')

@@ -10,7 +10,7 @@ import { loadRecipe } from '../agents/recipe';
 import { EngineRouter } from '../agents/router';
 import { UsageError } from './errors';
 
-// overrides: --prompts N and --samples N set eval.prompts and eval.samples; any other --dotted.key is a recipe override.
+// overrides: recipe overrides (`molt-client eval` turns --prompts N and --samples N into eval.prompts, eval.samples).
 export async function evalCheckpoint(
   checkpointDir: string, recipeDir: string, overrides: Record<string, string>,
 ): Promise<EvaluateResult> {
@@ -20,11 +20,7 @@ export async function evalCheckpoint(
   if (!files.includes('config.json') || !files.some((f) => f.endsWith('.safetensors'))) {
     throw new UsageError(`eval: ${dir} is not a checkpoint: it needs config.json and *.safetensors`);
   }
-  const { prompts, samples, ...rest } = overrides;
-  const config = loadRecipe(recipeDir, {
-    ...rest, ...(prompts !== undefined ? { 'eval.prompts': prompts } : {}),
-    ...(samples !== undefined ? { 'eval.samples': samples } : {}),
-  });
+  const config = loadRecipe(recipeDir, overrides);
 
   const { startStack } = await import('../infra/stack');
   const stateDir = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-eval-'));

@@ -20,9 +20,9 @@ export function storeCandidates(store?: string): string[] {
 export async function plotRun(
   runId: string, store?: string, out?: string, smoothing = 0.6,
 ): Promise<{ png: string; tensorboard: string }> {
-  const stores = storeCandidates(store);
-  const file = stores.map((s) => metricsFile(path.resolve(s), runId)).find((f) => fs.existsSync(f));
-  if (!file) throw new RunNotFound(`no metrics for run ${runId} (looked for ${stores.map((s) => metricsFile(path.resolve(s), runId)).join(', ')})`);
+  const files = storeCandidates(store).map((s) => metricsFile(s, runId));
+  const file = files.find((f) => fs.existsSync(f));
+  if (!file) throw new RunNotFound(`no metrics for run ${runId} (looked for ${files.join(', ')})`);
   const png = path.resolve(out ?? path.join(path.dirname(file), 'metrics.png'));
   const live = eventFile(path.dirname(file));
   const tensorboard = path.dirname(live);

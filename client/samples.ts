@@ -1,18 +1,15 @@
 // `molt-client samples <runId>`: a few decoded episodes of each trained step (prompt, completion,
 // reward), from <store>/<runId>/samples.jsonl, to see what the policy is learning, not just a number.
 import * as fs from 'node:fs';
-import * as path from 'node:path';
 import { samplesFile } from '../activities/metrics';
-import { REPO_ROOT } from '../agents/recipe';
 import { RunNotFound } from './errors';
+import { storeCandidates } from './plot';
 
 export interface SampleLine { step: number; group: number; episode: number; reward: number; prompt: string; completion: string }
 
-// The store is --store, else $MOLT_STORE, else the local stack's (.molt/stack/runs), else ./runs: the first with the run.
+// From the first store that has the run (storeCandidates: --store, $MOLT_STORE, .molt/stack/runs, ./runs).
 export function readSamples(runId: string, store?: string): SampleLine[] {
-  const stores = store ? [store] : [process.env.MOLT_STORE, path.join(REPO_ROOT, '.molt', 'stack', 'runs'), 'runs']
-    .filter((s): s is string => !!s);
-  const files = stores.map((s) => samplesFile(path.resolve(s), runId));
+  const files = storeCandidates(store).map((s) => samplesFile(s, runId));
   const file = files.find((f) => fs.existsSync(f));
   if (!file) throw new RunNotFound(`no samples for run ${runId} (looked for ${files.join(', ')})`);
   return fs.readFileSync(file, 'utf8').split('\n').filter((l) => l.trim()).map((l) => JSON.parse(l) as SampleLine);

@@ -69,38 +69,28 @@ export function addScheduleCommands(program: Command, { overrides, withOverrides
     if (count === 0) console.log('no schedules');
   });
 
-  // The commands on one schedule; a schedule that does not exist is RunNotFound (exit 1).
-  type OnSchedule = (handle: ScheduleHandle, id: string, note?: string) => Promise<void>;
-  const onSchedule = (name: string, description: string, run: OnSchedule) => {
+  // The commands on one schedule: what each does, and what it prints after (null: the description it fetched).
+  // A schedule that does not exist is RunNotFound (exit 1).
+  const onSchedule: [string, string, (h: ScheduleHandle, note?: string) => Promise<unknown>, string | null][] = [
+    ['describe', 'spec, policy, recipe, next firings and recent runs', (h) => h.describe(), null],
+    ['pause', 'no firings until unpaused', (h, note) => h.pause(note), 'paused'],
+    ['unpause', 'fire again', (h, note) => h.unpause(note), 'unpaused'],
+    ['trigger', 'fire now (the overlap policy applies)', (h) => h.trigger(), 'triggered'],
+    ['delete', 'delete the schedule (its runs go on)', (h) => h.delete(), 'deleted'],
+  ];
+  for (const [name, description, run, done] of onSchedule) {
     const command = schedule.command(name).description(description).argument('<id>');
     if (name === 'pause' || name === 'unpause') command.option('--note <text>', 'a note on the schedule');
     command.action(async (id: string, opts: { note?: string }) => {
       try {
-        await run((await connect()).client.schedule.getHandle(id), id, opts.note);
+        const result = await run((await connect()).client.schedule.getHandle(id), opts.note);
+        console.log(done ? `schedule ${id} ${done}` : describeSchedule(result as ScheduleDescription));
       } catch (err) {
         if (err instanceof ScheduleNotFoundError) throw new RunNotFound(`no schedule ${id}`);
         throw err;
       }
     });
-  };
-  onSchedule('describe', 'spec, policy, recipe, next firings and recent runs',
-    async (h) => console.log(describeSchedule(await h.describe())));
-  onSchedule('pause', 'no firings until unpaused', async (h, id, note) => {
-    await h.pause(note);
-    console.log(`schedule ${id} paused`);
-  });
-  onSchedule('unpause', 'fire again', async (h, id, note) => {
-    await h.unpause(note);
-    console.log(`schedule ${id} unpaused`);
-  });
-  onSchedule('trigger', 'fire now (the overlap policy applies)', async (h, id) => {
-    await h.trigger();
-    console.log(`schedule ${id} triggered`);
-  });
-  onSchedule('delete', 'delete the schedule (its runs go on)', async (h, id) => {
-    await h.delete();
-    console.log(`schedule ${id} deleted`);
-  });
+  }
 }
 
 function describeSpec(spec: ScheduleSpec | ScheduleDescription['spec'] | undefined): string {

@@ -7,9 +7,9 @@ import type { Client } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import type { Command } from 'commander';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
-import { descendants, killTree, startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
+import { descendants, killTree, startStack, stopStacksOnSignals } from '../infra/stack';
 import { runWorkflowId, trainRun, type TrainRunInput } from '../workflows/train-run';
-import { connect } from './command';
+import { connect, type Temporal } from './command';
 import { RunNotFound, UsageError } from './errors';
 import { hasSearchAttributes, runStartOptions } from './start-options';
 
@@ -31,17 +31,18 @@ const running = (p: StackRecord['processes'][number]) => cmdline(p.pid) === p.cm
 // `dev`: a stack for one run (fresh ports; the stack's Temporal database in .molt/stack keeps the
 // history). Runs an earlier `dev` left are terminated at start (see endLeftoverRuns). Ctrl-C or
 // SIGTERM at any moment, also during the start, stops every process of it (stopStacksOnSignals).
+// The stack serves the recipe's model, engines, actor ranks and (unless withPools is false) pools.
 export async function withDevStack<T>(
-  opts: { model: string; engines: number; actorWorldSize: number; pools?: RecipeConfig['pools'] },
-  fn: (stack: Stack) => Promise<T>): Promise<T> {
+  config: RecipeConfig, fn: (temporal: Temporal) => Promise<T>, withPools = true): Promise<T> {
   stopStacksOnSignals((signal) => console.error(`\n${signal}: stopping the stack (molt-client resume <runId> continues the run on a later stack)`));
   const stack = await startStack({
-    modelDir: resolveModelDir(opts.model), engines: opts.engines, actorWorldSize: opts.actorWorldSize,
+    modelDir: resolveModelDir(config.model), engines: config.engines.count, actorWorldSize: config.actor.world_size,
     stateDir: process.env.MOLT_STACK_DIR, endLeftoverRuns: true,
-    pools: Object.fromEntries(Object.entries(opts.pools ?? {}).map(([name, p]) => [name, { ...p, modelDir: resolveModelDir(p.model) }])),
+    pools: Object.fromEntries(Object.entries(withPools ? config.pools ?? {} : {})
+      .map(([name, p]) => [name, { ...p, modelDir: resolveModelDir(p.model) }])),
   });
   try {
-    return await fn(stack);
+    return await fn(await connect(stack.temporalAddress, stack.uiUrl ?? 'http://localhost:8233'));
   } finally {
     await stack.stop();
   }
