@@ -40,7 +40,7 @@ import torch.distributed as dist
 import uvicorn
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -49,14 +49,15 @@ from torch.distributed.tensor import DTensor
 import weight_transfer
 from algorithm import (compute_advantages, entropy_from_logits, loss_divisor, policy_objective, sft_loss,
                        staleness_mask)
-from common import (check_model_dir, load_causal_lm, moe_routers, parse_dtype, service_app, token_from_env,
-                    write_error)
+from common import (bad_request, check_model_dir, load_causal_lm, moe_routers, parse_dtype, read_safetensors,
+                    service_app, token_from_env, write_error)
 from contract import (ActorHealth, AlgoConfig, CheckpointRequest, CheckpointResponse, InitRequest, LogprobsRequest,
                       LogprobsResponse, NotInGroup, PushWeightsRequest, PushWeightsResponse, SftStepRequest,
                       TensorSpec, TrainStepRequest, TrainStepResponse, WeightReceiveRequest)
 from trajectories import Segment, load_segment, pad_right
 from vision import check_placeholders, load_image, vision_inputs
 
+FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # rank 0's full state into all shards
 HEARTBEAT_S = 60  # idle ranks wait for commands inside a collective, which times out (gloo: 30 min) unless fed
 LOGPROBS_MICRO_BATCH_TOKENS = 8192
 
@@ -312,8 +313,6 @@ class Actor:
         total_tokens = max(mask.sum().item(), 1.0)  # token means of the metrics, over all ranks
         divisor = loss_divisor(algo, mask)  # [N,1] from the whole step: every rank has the batch
 
-        for g in self.optimizer.param_groups:
-            g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, torch.Tensor] = {}
         for rows in plan:
@@ -346,16 +345,12 @@ class Actor:
         t_end = time.time()
 
         trained = sums["tokens"]
-        rewards = torch.tensor(list(episode_rewards(segments).values()))
+        rewards = torch.tensor(list({(s.group, s.episode): s.reward for s in segments}.values()))  # one per episode
         metrics = {
             "loss": sums["loss"],  # the step's loss, the sum of every micro-batch's and rank's share
-            "pg_loss": sums["pg_loss"] / total_tokens,
-            "entropy": sums["entropy"] / total_tokens,
-            "kl": sums["kl"] / total_tokens,
-            "clip_frac": sums["clip_frac"] / total_tokens,
-            "is_masked_frac": sums["is_masked"] / total_tokens,
-            "ratio": sums["ratio"] / total_tokens,
-            "rollout_kl": sums["rollout_kl"] / total_tokens,
+            **{name: sums[key] / total_tokens for name, key in [
+                ("pg_loss", "pg_loss"), ("entropy", "entropy"), ("kl", "kl"), ("clip_frac", "clip_frac"),
+                ("is_masked_frac", "is_masked"), ("ratio", "ratio"), ("rollout_kl", "rollout_kl")]},
             "rollout_logp_max_abs_diff": ((old_logp - rollout_logp).abs() * mask).max().item(),
             "rollout_logp_mean_abs_diff": ((old_logp - rollout_logp).abs() * mask).sum().item() / total_tokens,
             "rollout_logp_max_abs_diff_same_version": ((old_logp - rollout_logp).abs() * fresh).max().item(),
@@ -400,8 +395,6 @@ class Actor:
         mask = pad_right([torch.tensor(m, dtype=torch.float32) for m in masks]).to(self.device)  # [N,T]
         total = max(mask.sum().item(), 1.0)
         plan = plan_micro_batches(lengths, self.world_size, self.rank, algo.micro_batch_tokens)
-        for g in self.optimizer.param_groups:
-            g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(2, device=self.device)  # loss, argmax hits on masked tokens
         for rows in plan:
@@ -421,7 +414,10 @@ class Actor:
                 "time/total": time.time() - t_start}
 
     def apply_gradients(self, algo: AlgoConfig, step: int, run_id: str) -> float:
-        """Clip, step (skipped when the gradient norm is not finite), and make the weights step `step` of the run."""
+        """Clip, step with algo's lr, betas and weight decay (skipped when the gradient norm is not finite), and
+        make the weights step `step` of the run."""
+        for g in self.optimizer.param_groups:
+            g.update(lr=algo.lr, betas=algo.betas, weight_decay=algo.weight_decay)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), algo.grad_clip)
         grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
         if math.isfinite(grad_norm):
@@ -432,15 +428,11 @@ class Actor:
 
     # --- weights out
 
-    def full_state_items(self):
-        """(name, tensor) in state-dict order, names as in the HF state dict (tied weights under both names)."""
-        return list(self.model.state_dict().items())
-
     def push_weights(self, buckets: list[list[str]], group=None) -> int:
         """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts it to the engines, gathering
         and packing bucket k+1 while bucket k is on the wire. A send failure on rank 0 is raised only after the
         loop, so the other ranks' gathers stay in step."""
-        state = dict(self.full_state_items())
+        state = self.model.state_dict()
         sent, failure, on_wire = 0, None, None
         for names in buckets:
             tensors = [full_tensor(state[n]).to(self.dtype) for n in names]
@@ -506,19 +498,18 @@ class Actor:
                         ref_weights: dict | None = None) -> None:
         """All ranks; rank 0 passes the full state read from disk and broadcasts it into every rank's shards.
         ref_weights (rank 0: None unless the run started from an init dir) go into the reference model."""
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        set_model_state_dict(self.model, weights or {}, options=options)
-        set_optimizer_state_dict(self.model, self.optimizer, optim or {}, options=options)
+        set_model_state_dict(self.model, weights or {}, options=FROM_RANK0)
+        set_optimizer_state_dict(self.model, self.optimizer, optim or {}, options=FROM_RANK0)
         self.load_ref(ref_weights, trainer_state.get("init"))
         self.run_id, self.last_step, self.version = trainer_state["run_id"], trainer_state["step"], trainer_state["version"]
         self.init_path = trainer_state.get("init")
 
-    def init_weights(self, run_id: str, path: str, weights: dict | None = None) -> None:
+    def init_weights(self, run_id: str | None, path: str | None, weights: dict | None = None) -> None:
         """All ranks: start run_id at step 0 from the weights of an HF directory (policy and reference model),
-        with a fresh optimizer: the moments of another run (or none, for a plain HF model) do not carry over."""
+        with a fresh optimizer: the moments of another run (or none, for a plain HF model) do not carry over.
+        Without run_id and path (/reset): the --model weights, and the reference model back to --ref-model's."""
         self.load_ref(dict(weights or {}), path)  # a copy: loading replaces the dict's tensors by shards
-        set_model_state_dict(self.model, weights or {}, options=StateDictOptions(full_state_dict=True,
-                                                                                  broadcast_from_rank0=True))
+        set_model_state_dict(self.model, weights or {}, options=FROM_RANK0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
         self.run_id, self.last_step, self.version, self.init_path = run_id, 0, 0, path
 
@@ -528,16 +519,7 @@ class Actor:
             return  # no reference, or it already holds --ref-model's weights
         if init is None:
             weights = read_weights(self.ref, self.args.ref_model) if self.rank == 0 else {}
-        set_model_state_dict(self.ref, weights or {}, options=StateDictOptions(full_state_dict=True,
-                                                                               broadcast_from_rank0=True))
-
-    def reset(self, weights: dict | None = None) -> None:
-        """All ranks: the --model weights (rank 0 passes them, broadcast into every rank's shards), a fresh optimizer."""
-        set_model_state_dict(self.model, weights or {}, options=StateDictOptions(full_state_dict=True,
-                                                                                  broadcast_from_rank0=True))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
-        self.load_ref(None, None)
-        self.version, self.last_step, self.run_id, self.init_path = 0, 0, None, None
+        set_model_state_dict(self.ref, weights or {}, options=FROM_RANK0)
 
     # --- the step log (rank 0)
 
@@ -591,10 +573,6 @@ def tied_output_name(model) -> str | None:
 def input_embedding_name(model) -> str:
     emb = model.get_input_embeddings()
     return next(f"{n}.weight" for n, m in model.named_modules() if m is emb)
-
-
-def episode_rewards(segments: list[Segment]) -> dict[tuple[int, int], float]:
-    return {(s.group, s.episode): s.reward for s in segments}
 
 
 def episode_advantages(algo: AlgoConfig, segments: list[Segment], mask: torch.Tensor, old_logp: torch.Tensor,
@@ -739,13 +717,11 @@ def build_app(actor: Actor, token: str | None):
                 return done
             algo = req.algo
             t0 = time.time()
-            try:
+            with bad_request():
                 segments = [load_segment(req.store_root, ref) for ref in req.trajectories]
                 check_routes(actor.model, segments, algo.routing_replay)
                 for s in segments:
                     check_placeholders(actor.model, s.tokens.tolist(), s.images, f"trajectory {s.ref!r}")
-            except ValueError as e:
-                raise HTTPException(400, str(e))
             scored = all(s.teacher_logp is not None for s in segments)
             if actor.ref is None and (algo.kl_coef > 0 or algo.advantage == "on_policy_distill" and not scored):
                 raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
@@ -773,14 +749,12 @@ def build_app(actor: Actor, token: str | None):
         vocab = actor.model.get_input_embeddings().num_embeddings
         if req.images and len(req.images) != len(req.token_ids):
             raise HTTPException(400, f"images has {len(req.images)} rows, token_ids {len(req.token_ids)}")
-        try:
+        with bad_request():
             images = [[load_image(p, f"images[{i}]") for p in paths] for i, paths in enumerate(req.images)]
             for i, ids in enumerate(req.token_ids):
                 if not ids or min(ids) < 0 or max(ids) >= vocab:
                     raise ValueError(f"token_ids[{i}] must be non-empty ids in [0, {vocab})")
                 check_placeholders(actor.model, ids, images[i] if images else [], f"token_ids[{i}]")
-        except ValueError as e:
-            raise HTTPException(400, str(e))
         with actor.lock:
             return LogprobsResponse(logprobs=actor.run("logprobs", req.token_ids, images or None))
 
@@ -788,7 +762,8 @@ def build_app(actor: Actor, token: str | None):
 
     def push(urls: list[str], req: PushWeightsRequest) -> tuple[int, bool]:
         """Returns the bytes sent and whether a new group was made."""
-        items = actor.full_state_items()  # DTensors: shapes are the full shapes
+        # in state-dict order, names as in the HF state dict (tied weights under both names); DTensors: full shapes
+        items = list(actor.model.state_dict().items())
         kept = link.urls == urls
         if kept and link.complete:  # a frozen tensor cannot have changed since the engines got it
             items = [(n, t) for n, t in items if n not in actor.frozen]
@@ -826,10 +801,8 @@ def build_app(actor: Actor, token: str | None):
     @app.post("/checkpoint/load")
     def checkpoint_load(req: CheckpointRequest) -> CheckpointResponse:
         with actor.lock:
-            try:
+            with bad_request():
                 trainer_state, weights, optim, log, ref = read_checkpoint(actor, req.path)
-            except ValueError as e:
-                raise HTTPException(400, str(e))
             actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim, ref_weights=ref)
             link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log(log)
@@ -839,7 +812,7 @@ def build_app(actor: Actor, token: str | None):
     def reset() -> ActorHealth:
         """Back to the --model weights and a fresh optimizer: a run without a checkpoint starts from here."""
         with actor.lock:
-            actor.run("reset", weights=read_weights(actor.model, args.model))
+            actor.run("init_weights", None, None, weights=read_weights(actor.model, args.model))
             link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log([])
         return health()
@@ -848,10 +821,8 @@ def build_app(actor: Actor, token: str | None):
     def init(req: InitRequest) -> CheckpointResponse:
         """Start run req.run_id at step 0 from any HF model dir or Molt checkpoint (its weights only)."""
         with actor.lock:
-            try:
+            with bad_request("init dir "):
                 weights = read_weights(actor.model, req.path)
-            except ValueError as e:
-                raise HTTPException(400, f"init dir {e}")
             actor.run("init_weights", req.run_id, req.path, weights=weights)
             link.complete = False  # other weights: the next push sends the frozen ones too
             actor.set_log([])
@@ -864,10 +835,7 @@ def read_weights(model, path: str) -> dict:
     """Rank 0: the full weights of an HF safetensors directory, checked against the model (names and shapes, so
     another architecture or vocabulary is refused); a ValueError names the directory."""
     try:
-        check_model_dir(path)
-        weights = {}
-        for f in sorted(Path(path).glob("*.safetensors")):
-            weights.update(load_file(str(f)))
+        weights = read_safetensors(path)
     except (OSError, ValueError, RuntimeError) as e:
         raise ValueError(f"{path!r} is not loadable: {e}") from None
     tied = tied_output_name(model)

@@ -1,4 +1,5 @@
 """What the engine and the actor share: bearer-token auth, clear 4xx errors, model loading, devices."""
+import contextlib
 import errno
 import hmac
 import os
@@ -8,6 +9,7 @@ import torch
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from safetensors.torch import load_file
 
 
 def service_app(title: str, token: str | None) -> FastAPI:
@@ -47,6 +49,15 @@ class BearerToken:
         await self.app(scope, receive, send)
 
 
+@contextlib.contextmanager
+def bad_request(prefix: str = ""):
+    """A ValueError raised inside (bad input, its message names what is wrong) answers 400 with that message."""
+    try:
+        yield
+    except ValueError as e:
+        raise HTTPException(400, f"{prefix}{e}") from None
+
+
 def write_error(e: BaseException, path) -> BaseException:
     """ENOSPC anywhere in e's chain as an OSError naming path; other errors unchanged. torch.save reports a full
     disk as `RuntimeError: [enforce fail at inline_container.cc] unexpected pos` (the OSError, when it writes to a
@@ -69,6 +80,12 @@ def check_model_dir(path: str) -> Path:
     if not any(p.glob("*.safetensors")):
         raise ValueError(f"model dir {path!r} has no *.safetensors weights")
     return p
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a model directory's *.safetensors files; a ValueError names what the directory lacks."""
+    check_model_dir(path)
+    return {name: t for f in sorted(Path(path).glob("*.safetensors")) for name, t in load_file(str(f)).items()}
 
 
 def default_device() -> torch.device:

@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import Response, StreamingResponse
 
-from common import service_app, token_from_env
+from common import bad_request, service_app, token_from_env
 from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
                       ImageResponse, NotInGroup, PauseRequest, ScoreRequest, ScoreResponse, VersionResponse,
                       WeightLoadRequest, WeightReceiveRequest)
@@ -30,10 +30,8 @@ def build_app(backend, token: str | None) -> FastAPI:
 
     @app.post("/generate")
     async def generate(req: GenerateRequest):
-        try:
+        with bad_request():
             request_id, events = backend.submit(req)
-        except ValueError as e:
-            raise HTTPException(400, str(e))
         if req.stream:
             async def lines():
                 try:
@@ -55,19 +53,15 @@ def build_app(backend, token: str | None) -> FastAPI:
 
     @app.post("/images")
     def images(req: ImageRequest) -> ImageResponse:
-        try:
+        with bad_request():
             return ImageResponse(**backend.process_image(req))
-        except ValueError as e:
-            raise HTTPException(400, str(e))
 
     @app.post("/score")
     def score(req: ScoreRequest) -> ScoreResponse:
         if not hasattr(backend, "score"):
             raise HTTPException(400, f"/score: the {type(backend).__name__} backend cannot score token ids")
-        try:
+        with bad_request():
             logprobs, version = backend.score(req.token_ids)
-        except ValueError as e:
-            raise HTTPException(400, str(e))
         return ScoreResponse(logprobs=logprobs, version=version)
 
     @app.post("/pause")

@@ -43,14 +43,8 @@ CHAT_TEMPLATE = (
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer applies."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    others = [b for b in range(256) if b not in printable]  # mapped in order to chr(256), chr(257), ...
+    return {b: chr(b) if b in printable else chr(256 + others.index(b)) for b in range(256)}
 
 
 def byte_tokenizer() -> Tokenizer:

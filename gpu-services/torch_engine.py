@@ -37,10 +37,9 @@ from typing import AsyncIterator, Optional
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from common import check_generate_ids, check_model_dir, load_causal_lm, moe_routers
+from common import check_generate_ids, load_causal_lm, moe_routers, read_safetensors
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
 from vision import check_placeholders, decode_base64, image_token_id, load_image, process_image, save_image, vision_inputs
 from weight_transfer import Membership, recv_bucket_into
@@ -114,7 +113,6 @@ def merge_events(first: Event, queue: asyncio.Queue) -> Event:
 class TorchEngine:
     def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device, max_batch: int = 64,
                  keep_stale_kv: bool = False, name: Optional[str] = None):
-        check_model_dir(model_dir)
         self.model = load_causal_lm(model_dir, dtype=dtype, device=device)
         self.device = device
         self.name = name or Path(model_dir).resolve().name
@@ -262,10 +260,7 @@ class TorchEngine:
 
     def load_weights(self, path: str, version: int) -> int:
         """Load an HF safetensors directory (e.g. a checkpoint written by the actor)."""
-        check_model_dir(path)
-        tensors = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            tensors.update(load_file(str(file)))
+        tensors = read_safetensors(path)
         for name, t in tensors.items():
             self._check_tensor(name, list(t.shape), str(t.dtype).removeprefix("torch."))
         with self._model_lock:

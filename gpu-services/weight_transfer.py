@@ -9,6 +9,7 @@ actor makes a new group.
 Weights travel in buckets, broadcast from rank 0, each one flat uint8 tensor: a lone tensor as it is (no copy, and
 received straight into the engine's weight), several small ones packed back to back in spec order.
 """
+import math
 import os
 import socket
 from datetime import timedelta
@@ -96,11 +97,7 @@ def check_in(store: dist.Store, seq: int, world_size: int) -> bool:
 
 
 def _nbytes(spec: TensorSpec) -> int:
-    dtype = getattr(torch, spec.dtype)
-    n = 1
-    for d in spec.shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    return math.prod(spec.shape) * getattr(torch, spec.dtype).itemsize
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
