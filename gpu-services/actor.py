@@ -33,6 +33,7 @@ import traceback
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import torch
@@ -693,28 +694,25 @@ def build_app(actor: Actor, token: str | None):
         return ActorHealth(version=actor.version, last_step=actor.last_step, run_id=actor.run_id,
                            world_size=actor.world_size, model=args.model)
 
-    def applied_or_next(run_id: str, step: int) -> TrainStepResponse | None:
-        """The recorded answer of an applied (run_id, step); None when it is the next step; else a 409."""
-        done = actor.step_log.get((run_id, step))
-        if done is not None:
-            return TrainStepResponse(run_id=run_id, step=step, version=done["version"], replayed=True,
-                                     metrics=done["metrics"])
-        if step != actor.last_step + 1 or (actor.last_step > 0 and run_id != actor.run_id):
-            raise HTTPException(409, f"step {step} of run {run_id!r} is neither applied nor next: the actor "
-                                     f"holds step {actor.last_step} of run {actor.run_id!r} and can only apply "
-                                     f"step {actor.last_step + 1} of that run")
-        return None
-
-    def applied(run_id: str, step: int, metrics: dict) -> TrainStepResponse:
-        actor.append_log({"run_id": run_id, "step": step, "version": actor.version, "metrics": metrics})
-        return TrainStepResponse(run_id=run_id, step=step, version=actor.version, replayed=False, metrics=metrics)
+    def once(run_id: str, step: int, train: Callable[[], dict]) -> TrainStepResponse:
+        """Exactly once: an applied (run_id, step) answers its recorded metrics; the next step is trained (train()
+        checks its input and returns the metrics) and recorded; any other step is a 409."""
+        with actor.lock:
+            done = actor.step_log.get((run_id, step))
+            if done is not None:
+                return TrainStepResponse(run_id=run_id, step=step, version=done["version"], replayed=True,
+                                         metrics=done["metrics"])
+            if step != actor.last_step + 1 or (actor.last_step > 0 and run_id != actor.run_id):
+                raise HTTPException(409, f"step {step} of run {run_id!r} is neither applied nor next: the actor "
+                                         f"holds step {actor.last_step} of run {actor.run_id!r} and can only apply "
+                                         f"step {actor.last_step + 1} of that run")
+            metrics = train()
+            actor.append_log({"run_id": run_id, "step": step, "version": actor.version, "metrics": metrics})
+            return TrainStepResponse(run_id=run_id, step=step, version=actor.version, replayed=False, metrics=metrics)
 
     @app.post("/train_step")
     def train_step(req: TrainStepRequest) -> TrainStepResponse:
-        with actor.lock:
-            done = applied_or_next(req.run_id, req.step)
-            if done is not None:
-                return done
+        def train() -> dict:
             algo = req.algo
             t0 = time.time()
             with bad_request():
@@ -727,8 +725,8 @@ def build_app(actor: Actor, token: str | None):
                 raise HTTPException(400, f"algo.kl_coef={algo.kl_coef} / advantage={algo.advantage!r} needs a "
                                          f"reference model (start the actor with --ref-model) or, for distillation, "
                                          f"trajectories scored by a teacher pool (recipe key `teacher`)")
-            metrics = actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
-            return applied(req.run_id, req.step, metrics)
+            return actor.run("train_step", req.run_id, req.step, algo.model_dump(), segments, time.time() - t0)
+        return once(req.run_id, req.step, train)
 
     @app.post("/sft_step")
     def sft_step(req: SftStepRequest) -> TrainStepResponse:
@@ -736,13 +734,9 @@ def build_app(actor: Actor, token: str | None):
         for i, e in enumerate(req.examples):
             if min(e.tokens) < 0 or max(e.tokens) >= vocab:
                 raise HTTPException(400, f"examples[{i}].tokens must be ids in [0, {vocab})")
-        with actor.lock:
-            done = applied_or_next(req.run_id, req.step)
-            if done is not None:
-                return done
-            metrics = actor.run("sft_step", req.run_id, req.step, req.algo.model_dump(),
-                                [e.tokens for e in req.examples], [e.mask for e in req.examples])
-            return applied(req.run_id, req.step, metrics)
+        return once(req.run_id, req.step, lambda: actor.run("sft_step", req.run_id, req.step, req.algo.model_dump(),
+                                                            [e.tokens for e in req.examples],
+                                                            [e.mask for e in req.examples]))
 
     @app.post("/logprobs")
     def logprobs(req: LogprobsRequest) -> LogprobsResponse:
@@ -798,23 +792,25 @@ def build_app(actor: Actor, token: str | None):
             actor.run("save_checkpoint", req.path)
             return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
 
+    def other_weights(command: str, *args, log: list[dict], **rank0_only) -> None:
+        """Put other weights in (an actor command); the step log becomes theirs (log)."""
+        actor.run(command, *args, **rank0_only)
+        link.complete = False  # the next push sends the frozen tensors too
+        actor.set_log(log)
+
     @app.post("/checkpoint/load")
     def checkpoint_load(req: CheckpointRequest) -> CheckpointResponse:
         with actor.lock:
             with bad_request():
                 trainer_state, weights, optim, log, ref = read_checkpoint(actor, req.path)
-            actor.run("load_checkpoint", trainer_state, weights=weights, optim=optim, ref_weights=ref)
-            link.complete = False  # other weights: the next push sends the frozen ones too
-            actor.set_log(log)
+            other_weights("load_checkpoint", trainer_state, log=log, weights=weights, optim=optim, ref_weights=ref)
             return CheckpointResponse(path=req.path, step=actor.last_step, version=actor.version)
 
     @app.post("/reset")
     def reset() -> ActorHealth:
         """Back to the --model weights and a fresh optimizer: a run without a checkpoint starts from here."""
         with actor.lock:
-            actor.run("init_weights", None, None, weights=read_weights(actor.model, args.model))
-            link.complete = False  # other weights: the next push sends the frozen ones too
-            actor.set_log([])
+            other_weights("init_weights", None, None, log=[], weights=read_weights(actor.model, args.model))
         return health()
 
     @app.post("/init")
@@ -823,9 +819,7 @@ def build_app(actor: Actor, token: str | None):
         with actor.lock:
             with bad_request("init dir "):
                 weights = read_weights(actor.model, req.path)
-            actor.run("init_weights", req.run_id, req.path, weights=weights)
-            link.complete = False  # other weights: the next push sends the frozen ones too
-            actor.set_log([])
+            other_weights("init_weights", req.run_id, req.path, log=[], weights=weights)
             return CheckpointResponse(path=req.path, step=0, version=0)
 
     return app
