@@ -53,9 +53,11 @@ export type EpisodeRunner = (episode: number,
 
 // The recipe's pools (`pools`) as one episode's clients: each call journaled when a journal is given
 // (a retried episode does not ask again), and each call asked (not replayed) counted in metrics as
-// pool/<name>/calls and pool/<name>/seconds.
+// pool/<name>/calls and pool/<name>/seconds. A pool engine that fails (unreachable, hung, 5xx) is kept in
+// `failed`: the episode's code sees the error, but the activity fails with it (and is retried), as for the
+// policy's engines; it is not the recipe's fault, so it is not counted against the failure budget.
 export function poolClients(routers: Record<string, EngineRouter>, config: RecipeConfig, session: string,
-  signal: AbortSignal, journal: EpisodeJournal | null, metrics: Record<string, number>): Pools {
+  signal: AbortSignal, journal: EpisodeJournal | null, metrics: Record<string, number>, failed: { error?: unknown } = {}): Pools {
   const missing = Object.keys(config.pools).filter((name) => !routers[name]);
   if (missing.length) {
     throw ApplicationFailure.nonRetryable(`the recipe's pools ${missing.join(', ')} have no engines on this worker `
@@ -67,6 +69,9 @@ export function poolClients(routers: Record<string, EngineRouter>, config: Recip
       const started = Date.now();
       try {
         return await ask();
+      } catch (e) {
+        if (e instanceof ServiceError && (e.status === undefined || e.status >= 500)) failed.error ??= e;
+        throw e;
       } finally {
         metrics[`pool/${name}/calls`] = (metrics[`pool/${name}/calls`] ?? 0) + 1;
         metrics[`pool/${name}/seconds`] = (metrics[`pool/${name}/seconds`] ?? 0) + (Date.now() - started) / 1000;
@@ -147,13 +152,15 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       ctx.heartbeat(manifest);
     });
     const poolMetrics: Record<string, number> = {};
+    const poolFailure: { error?: unknown } = {};
     try {
-      const clients = poolClients(pools, config, session, ctx.cancellationSignal, journal, poolMetrics);
+      const clients = poolClients(pools, config, session, ctx.cancellationSignal, journal, poolMetrics, poolFailure);
       // Content-addressed: an image sent in several turns (or on a retry) is one file of the episode's folder.
       const imageDir = path.join(endpoints.storeRoot, runId, 'images', `g${groupIndex}`, `e${episode}`);
       const result = await runAgentEpisode(episode, (body, onToken) =>
         journal.generate(body, (part, onChunk) => router.generate(session, part, ctx.cancellationSignal, onChunk, engines), onToken),
       clients, (data) => router.image(session, { data, dir: imageDir }, ctx.cancellationSignal, engines));
+      if (poolFailure.error) throw poolFailure.error; // even if the agent carried on without the answer
       // On-policy distillation: the teacher pool scores the exact ids of every segment (journaled like any pool call).
       if (config.teacher) {
         for (const t of result.segments) {
@@ -180,8 +187,9 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       sample ??= describeEpisode(episode, result, config);
       await journal.discard();
     } catch (e) {
-      if (episodeFailed(e)) await journal.discard(); // a failed episode is never run again
-      throw e;
+      const error = poolFailure.error ?? e; // a pool engine's failure, even if the env wrapped it in its own
+      if (episodeFailed(error)) await journal.discard(); // a failed episode is never run again
+      throw error;
     } finally {
       router.endSession(session);
       for (const [name, r] of Object.entries(pools)) r.endSession(`${session}/${name}`);

@@ -102,6 +102,26 @@ test('judge and teacher calls are journaled: the retried activity replays them w
   trajectory.lossMask.forEach((m, i) => expect(trajectory.teacherLogprobs![i]).toBeCloseTo(m ? scored[i] : 0, 4));
 });
 
+test('a judge engine that fails inside env.step fails the activity (retried), not the episodes', async () => {
+  // The recipe's env catches nothing: the router's error reaches it and it throws. Counted as the recipe's
+  // failure, one pool engine's hiccup under load failed whole groups and then the run (8 of 8 episodes
+  // failed, over the failure budget); it is the engine's, so the activity is retried as for the policy.
+  const config = RecipeConfig.parse({
+    ...JSON.parse(fs.readFileSync(path.join(JUDGE_DIR, 'recipe.json'), 'utf8')), group_size: 4,
+    pools: { judge: { model: tinyModel() } },
+  });
+  const endpoints: ServiceEndpoints = { engines: [policy.url], actor: '', token: TOKEN, storeRoot };
+  const env = new MockActivityEnvironment();
+  let beat: RolloutManifest | undefined;
+  env.on('heartbeat', (d: RolloutManifest) => { beat = d; });
+  const deadJudge = new EngineRouter([`http://127.0.0.1:${await freePort()}`], TOKEN);
+  const failed: any = await env.run(rolloutGroup, endpoints, new EngineRouter([policy.url], TOKEN),
+    { runId: 'pools-dead-judge', groupIndex: 0, recipeDir: JUDGE_DIR, config }, { judge: deadJudge }).catch((e: any) => e);
+  expect(failed).toBeInstanceOf(ServiceError);
+  expect(failed.nonRetryable).toBeFalsy();
+  expect(Object.keys(beat?.failed ?? {})).toHaveLength(0);
+});
+
 test('a recipe pool the worker has no engines for fails the group at once, naming it', async () => {
   const config = RecipeConfig.parse({
     ...JSON.parse(fs.readFileSync(path.join(JUDGE_DIR, 'recipe.json'), 'utf8')), group_size: 2,
