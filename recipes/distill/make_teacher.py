@@ -23,7 +23,10 @@ def example(task: str, rng: random.Random, letters: str) -> tuple[str, str]:
     # answers with 0..3 matching positions, equally often
     matches = rng.randint(0, 3)
     keep = set(rng.sample(range(3), matches))
-    answer = "".join(c if i in keep else rng.choice([x for x in letters if x != c]) for i, c in enumerate(target))
+    # a mismatch is another of the letters, or (half the time) any printable character: a policy early in training
+    # answers with arbitrary bytes, and the judge must score those 0 too
+    others = letters if rng.random() < 0.5 else "".join(chr(i) for i in range(33, 127))
+    answer = "".join(c if i in keep else rng.choice([x for x in others if x != c]) for i, c in enumerate(target))
     return f"judge {answer}={target}>", str(matches)
 
 

@@ -2,7 +2,8 @@
 // (recipe key `pools.judge`: the tiny architecture with other weights, e.g. recipes/distill/make_teacher.py
 // --task judge) is asked the rubric prompt `judge <answer>=<target>>` and answers the number of matching
 // positions. Its answer is parsed robustly (parseJudgeScore); one that holds no score gets reward 0 and is
-// counted in the metric agent/judge_unparsed (agent/judge_calls counts the judged episodes).
+// counted in the metric agent/judge_unparsed (agent/judge_calls counts the judged episodes). agent/true_score sums
+// the score code would give (matching positions / length), so a run shows whether the judge's reward tracks it.
 import type { Env, EnvAgentRunner, EnvTask, Pools } from '../../agents/contract';
 import { resolveModelDir } from '../../agents/recipe';
 import { tokenizerFor } from '../../agents/tokenizer';
@@ -16,6 +17,9 @@ export function parseJudgeScore(answer: string, max: number): number | null {
   const score = Number(match[1]);
   return score <= max ? score / max : null;
 }
+
+// Positions where the answer holds the target's character
+const matches = (answer: string, target: string) => [...target].filter((c, i) => answer[i] === c).length;
 
 function createEnv(settings: Record<string, unknown>, episode?: { pools: Pools }): Env {
   const judge = episode?.pools.judge;
@@ -36,14 +40,14 @@ function createEnv(settings: Record<string, unknown>, episode?: { pools: Pools }
       const reply = await judge.generate({
         prompt_token_ids: tokenizer.encode(`judge ${action.text}=${target}>`),
         sampling: {
-          max_tokens: Number(settings.judge_max_tokens ?? 2), temperature: Number(settings.judge_temperature ?? 0),
+          max_tokens: Number(settings.judge_max_tokens ?? 1), temperature: Number(settings.judge_temperature ?? 0),
           top_p: 1, top_k: 0, stop_token_ids: [], seed,
         },
       });
       const score = parseJudgeScore(tokenizer.decode(reply.token_ids), length);
       return {
         reward: score ?? 0, terminated: true, truncated: false,
-        metrics: { judge_calls: 1, judge_unparsed: score === null ? 1 : 0 },
+        metrics: { judge_calls: 1, judge_unparsed: score === null ? 1 : 0, true_score: matches(action.text, target) / length },
       };
     },
   };
