@@ -6,19 +6,28 @@ import { sftProgressQuery, type SftProgress, type sftRun } from '../workflows/sf
 import { progressQuery, type Progress, type trainRun } from '../workflows/train-run';
 
 export function follow(handle: WorkflowHandle<typeof trainRun>): Promise<void> {
-  return followBar(handle, () => handle.query(progressQuery), barPayload,
-    'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready '
+  return followBar(handle, () => handle.query(progressQuery), (p: Progress) => ({
+    reward: p.rewardMean === null ? '-' : p.rewardMean.toFixed(3), inflight: p.inflight, ready: p.ready,
+    ...pace(p, p.state),
+  }), 'step {value}/{total} {bar} reward {reward} | {tps} tok/s | groups {inflight} running, {ready} ready '
       + '| ETA {etaText} | {state}');
 }
 
 // The SFT warm start's line: step, loss of the last step, assistant tokens/s, ETA.
 export function followSft(handle: WorkflowHandle<typeof sftRun>): Promise<void> {
   return followBar(handle, () => handle.query(sftProgressQuery), (p: SftProgress) => ({
-    loss: p.loss === null ? '-' : p.loss.toFixed(4),
-    tps: Math.round(p.tokensPerSecond),
-    etaText: eta(p.elapsedSeconds, p.step, p.totalSteps),
-    state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : 'running',
+    loss: p.loss === null ? '-' : p.loss.toFixed(4), ...pace(p, 'running'),
   }), 'sft step {value}/{total} {bar} loss {loss} | {tps} tok/s | ETA {etaText} | {state}');
+}
+
+// What both lines show: tokens/s, the ETA from the run's own pace (elapsed / steps done * steps left), and
+// the state, unless the run waits for the actor.
+function pace(p: Progress | SftProgress, state: string) {
+  return {
+    tps: Math.round(p.tokensPerSecond),
+    etaText: p.step > 0 ? formatSeconds((p.elapsedSeconds / p.step) * (p.totalSteps - p.step)) : '?',
+    state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : state,
+  };
 }
 
 async function followBar<P extends { step: number; totalSteps: number }>(handle: WorkflowHandle, query: () => Promise<P>,
@@ -39,21 +48,6 @@ async function followBar<P extends { step: number; totalSteps: number }>(handle:
   } finally {
     if (started) bar.stop();
   }
-}
-
-// ETA from the run's own pace: elapsed / steps done * steps left.
-const eta = (elapsed: number, step: number, total: number) =>
-  (step > 0 ? formatSeconds((elapsed / step) * (total - step)) : '?');
-
-function barPayload(p: Progress) {
-  return {
-    reward: p.rewardMean === null ? '-' : p.rewardMean.toFixed(3),
-    tps: Math.round(p.tokensPerSecond),
-    inflight: p.inflight,
-    ready: p.ready,
-    etaText: eta(p.elapsedSeconds, p.step, p.totalSteps),
-    state: p.waitingFor ? `waiting for the actor, held by run ${p.waitingFor}` : p.state,
-  };
 }
 
 export function formatSeconds(s: number): string {

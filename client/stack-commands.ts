@@ -72,8 +72,7 @@ export function addStackCommands(program: Command): void {
 interface UpOptions { engines: string; model: string; port: string; uiPort: string; stateDir: string }
 
 async function up(o: UpOptions): Promise<void> {
-  const stateDir = path.resolve(o.stateDir);
-  const record = readRecord(stateDir);
+  const { stateDir, record } = readRecord(o.stateDir);
   if (record && record.processes.some(running)) {
     console.log(`the local stack is already up (Temporal ${record.temporalAddress}); molt-client ps shows it`);
     return;
@@ -100,8 +99,7 @@ async function up(o: UpOptions): Promise<void> {
 }
 
 async function down(o: { stateDir: string }): Promise<void> {
-  const stateDir = path.resolve(o.stateDir);
-  const record = readRecord(stateDir);
+  const { stateDir, record } = readRecord(o.stateDir);
   const live = record?.processes.filter(running) ?? [];
   if (live.length === 0) {
     console.log('no local stack is up');
@@ -122,8 +120,7 @@ async function down(o: { stateDir: string }): Promise<void> {
 }
 
 function ps(o: { stateDir: string }): void {
-  const stateDir = path.resolve(o.stateDir);
-  const record = readRecord(stateDir);
+  const { record } = readRecord(o.stateDir);
   if (!record) {
     console.log('no local stack is up (molt-client up starts one)');
     return;
@@ -133,11 +130,13 @@ function ps(o: { stateDir: string }): void {
   for (const p of record.processes) console.log(`  ${p.name}\tpid ${p.pid}\t${running(p) ? 'running' : 'EXITED'}\t${urls[p.name] ?? ''}`);
 }
 
-function readRecord(stateDir: string): StackRecord | null {
+// The --state-dir folder, and what `up` left there (null: nothing, or not readable).
+function readRecord(dir: string): { stateDir: string; record: StackRecord | null } {
+  const stateDir = path.resolve(dir);
   try {
-    return JSON.parse(fs.readFileSync(stackFile(stateDir), 'utf8')) as StackRecord;
+    return { stateDir, record: JSON.parse(fs.readFileSync(stackFile(stateDir), 'utf8')) as StackRecord };
   } catch {
-    return null;
+    return { stateDir, record: null };
   }
 }
 
