@@ -18,6 +18,17 @@ export function parseJudgeScore(answer: string, max: number): number | null {
   return score <= max ? score / max : null;
 }
 
+// The answer as the judge reads it: one printable character per sampled token, '?' for any other (a byte that is
+// not printable ASCII, a special token). Shown the decoded text, the policy learned to answer with invalid UTF-8
+// bytes, which decode to U+FFFD (3 bytes for the judge) and which the judge misread: by steps 150-200 it scored
+// 81 of 204 answers wrong, rewarding "c\ufffdc" for "abc" (reward 0.37, true score 0.23).
+export function judgeView(ids: number[], tokenizer: { decode(ids: number[]): string }): string {
+  return ids.map((id) => {
+    const c = tokenizer.decode([id]);
+    return /^[\x21-\x7e]$/.test(c) ? c : '?';
+  }).join('');
+}
+
 // Positions where the answer holds the target's character
 const matches = (answer: string, target: string) => [...target].filter((c, i) => answer[i] === c).length;
 
@@ -38,7 +49,7 @@ function createEnv(settings: Record<string, unknown>, episode?: { pools: Pools }
     },
     async step(action) {
       const reply = await judge.generate({
-        prompt_token_ids: tokenizer.encode(`judge ${action.text}=${target}>`),
+        prompt_token_ids: tokenizer.encode(`judge ${judgeView(action.tokenIds, tokenizer)}=${target}>`),
         sampling: {
           max_tokens: Number(settings.judge_max_tokens ?? 1), temperature: Number(settings.judge_temperature ?? 0),
           top_p: 1, top_k: 0, stop_token_ids: [], seed,

@@ -12,7 +12,8 @@ import { readTrajectory } from '../../activities/store';
 import type { GroupResult, ServiceEndpoints } from '../../activities/types';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
-import { parseJudgeScore } from '../../recipes/judge/agent';
+import { judgeView, parseJudgeScore } from '../../recipes/judge/agent';
+import { tokenizerFor } from '../../agents/tokenizer';
 import { freePort, RecordingRouter, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
 const JUDGE_DIR = path.join(REPO_ROOT, 'recipes', 'judge');
@@ -42,6 +43,13 @@ test('parseJudgeScore reads the first integer as a score out of max, and nothing
   expect(parseJudgeScore('score: 0/3', 3)).toBe(0);
   expect(parseJudgeScore('x1', 3)).toBeCloseTo(1 / 3);
   for (const bad of ['', 'abc', '³', '7', '12', '-']) expect(parseJudgeScore(bad, 3)).toBeNull();
+});
+
+test('judgeView shows the judge one printable character per sampled token, ? for any other', () => {
+  const tokenizer = tokenizerFor(tinyModel());
+  const ids = [...Buffer.from('c'), 0xff, ...Buffer.from(' '), tokenizer.tokenId('<|endoftext|>')!, ...Buffer.from('a')];
+  expect(tokenizer.decode(ids)).not.toHaveLength(5); // decoded, the answer's length and positions change
+  expect(judgeView(ids, tokenizer)).toBe('c???a');
 });
 
 test('POST /score gives the logprob of each given id under the plain softmax, as generate reports it', async () => {
