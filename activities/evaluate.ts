@@ -8,6 +8,9 @@
 //   pass@1 = mean over prompts of c / n
 //   pass@n = mean over prompts of [c > 0]
 // An episode the agent or the engine refused (AgentError, a 400) counts as reward 0, failed.
+// Images (vision-language policies) are processed into <store>/<runId>/images/eval-s<step>, removed at the end.
+import { promises as fs } from 'node:fs';
+import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
 import { deriveSeed, AgentError } from '../agents/env-runner';
 import type { RecipeConfig } from '../agents/recipe';
@@ -31,7 +34,8 @@ export interface EvaluateResult {
   version_max: number;
 }
 
-export async function evaluate(router: EngineRouter, input: EvaluateInput, pools: Record<string, EngineRouter> = {}): Promise<EvaluateResult> {
+export async function evaluate(router: EngineRouter, input: EvaluateInput, pools: Record<string, EngineRouter> = {},
+  storeRoot?: string): Promise<EvaluateResult> {
   const ctx = Context.current();
   const { runId, step, config } = input;
   const { prompts, samples, greedy } = config.eval;
@@ -45,6 +49,7 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput, pools
   let running = 0;
   const waiting: (() => void)[] = [];
   const maxRunning = config.pool.inflight * config.group_size;
+  const imageDir = storeRoot && path.join(storeRoot, runId, 'images', `eval-s${step}`); // the images of this evaluation
 
   // One episode: its reward, 0 if the agent or the engine refused it.
   const run = async (episodes: EpisodeRunner, groupIndex: number, episode: number): Promise<number> => {
@@ -53,7 +58,8 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput, pools
     else await new Promise<void>((start) => waiting.push(start)); // a finished episode hands over its slot
     try {
       const clients = poolClients(pools, config, session, ctx.cancellationSignal, null, {});
-      const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal), clients);
+      const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal), clients,
+        imageDir ? (data) => router.image(session, { data, dir: imageDir }, ctx.cancellationSignal) : undefined);
       result.segments.forEach((t) => t.versions.forEach((v, i) => {
         if (t.lossMask[i]) { versions.min = Math.min(versions.min, v); versions.max = Math.max(versions.max, v); }
       }));
@@ -83,7 +89,7 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput, pools
       Promise.all(Array.from({ length: samples }, (_, e) => run(sampled, groupIndex, e))),
     ]);
     return { greedyReward, sampleRewards };
-  }));
+  })).finally(() => imageDir && fs.rm(imageDir, { recursive: true, force: true }));
 
   const mean = (xs: number[]) => xs.reduce((a, b) => a + b, 0) / xs.length;
   const passes = perPrompt.map((p) => p.sampleRewards.filter((r) => r >= 1).length); // c per prompt

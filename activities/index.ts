@@ -35,7 +35,7 @@ export function createActivities(endpoints: ServiceEndpoints) {
     resumePoint: (input: { runId: string }) => resumePoint(endpoints, input),
     recordMetrics: (input: RecordMetricsInput) => recordMetrics(endpoints, input),
     writeRunConfig: (input: RunConfigInput) => writeRunConfig(endpoints.storeRoot, input),
-    evaluate: (input: EvaluateInput) => failFast(evaluate(router, input, pools)),
+    evaluate: (input: EvaluateInput) => failFast(evaluate(router, input, pools, endpoints.storeRoot)),
   };
 }
 

@@ -205,7 +205,7 @@ export class ChatSession {
     if (this.opts.template.imageToken === undefined) {
       throw new Error('the policy is not a vision-language model: it takes no images');
     }
-    if (!this.opts.processImage) throw new Error('images are not taken here (no image store: evaluation episodes)');
+    if (!this.opts.processImage) throw new Error('images are not taken here (no image store)');
     return this.opts.processImage(data);
   }
 

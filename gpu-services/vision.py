@@ -11,6 +11,7 @@ import base64
 import hashlib
 import io
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -58,7 +59,8 @@ def save_image(directory: str, tensors: dict[str, torch.Tensor]) -> str:
     path = Path(directory) / f"{hashlib.sha256(data).hexdigest()}.safetensors"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        # one temp file per writer: the engine serves concurrent requests, and two may bring the same image
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()

@@ -8,12 +8,14 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
+import { evaluate, type EvaluateResult } from '../../activities/evaluate';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory, type Trajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
 import { geoProblem, geoReward } from '../../recipes/geo/agent';
 import { deriveSeed } from '../../agents/env-runner';
+import { EngineRouter } from '../../agents/router';
 import { PYTHON, RecordingRouter, startActor, startEngine, TOKEN, type Service } from './gpu-services';
 
 const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'geo');
@@ -111,4 +113,12 @@ test('the Env form: observations carry images, the same picture twice is one sto
   const diffs = await actorDiffs(t);
   console.log(`geo env form: engine vs actor max |logprob diff| on ${diffs.length} sampled tokens ${Math.max(...diffs).toExponential(2)}`);
   expect(Math.max(...diffs)).toBeLessThan(1e-4);
+}, 600_000);
+
+test('evaluation episodes take images too; their folder is removed afterwards', async () => {
+  const config = loadRecipe(RECIPE_DIR, { model: path.join(dir, 'model'), 'eval.prompts': '1', 'eval.samples': '2' });
+  const res = await (new MockActivityEnvironment().run(evaluate, new EngineRouter([engine.url], TOKEN),
+    { runId: 'geo-eval', step: 1, recipeDir: RECIPE_DIR, config }, {}, storeRoot) as Promise<EvaluateResult>);
+  expect(res.failed).toBe(0);
+  expect(fs.existsSync(path.join(storeRoot, 'geo-eval', 'images', 'eval-s1'))).toBe(false);
 }, 600_000);

@@ -111,7 +111,7 @@ test('OpenAI image_url data URLs, streamed, then a second turn with another imag
   expect(seg.images).toEqual([red, blue, red]);
 }, 120_000);
 
-test('Anthropic base64 image blocks, also inside a tool result', async () => {
+test('Anthropic base64 image blocks, also inside a tool result, streamed', async () => {
   const calls: Call[] = [];
   const { session, anthropicBaseURL } = open(calls);
   const client = new Anthropic({ baseURL: anthropicBaseURL, apiKey: session.apiKey, maxRetries: 0 });
@@ -121,7 +121,11 @@ test('Anthropic base64 image blocks, also inside a tool result', async () => {
   const r1 = await client.messages.create({ model: 'policy', max_tokens: 5, messages, tools });
   messages.push({ role: 'assistant', content: [...r1.content, { type: 'tool_use', id: 't1', name: 'draw', input: {} }] as any },
     { role: 'user', content: [{ type: 'tool_result', tool_use_id: 't1', content: [image(pngs[1])] }] });
-  await client.messages.create({ model: 'policy', max_tokens: 5, messages, tools });
+  let streamed = ''; // the second turn streamed
+  for await (const ev of await client.messages.create({ model: 'policy', max_tokens: 5, messages, tools, stream: true })) {
+    if (ev.type === 'content_block_delta' && ev.delta.type === 'text_delta') streamed += ev.delta.text;
+  }
+  expect(calls).toHaveLength(2); // (the tool_use the model never sampled rewrites the prefix: a new segment)
   expect(runs(calls[1].prompt)).toEqual([12, 12]);
   expect(calls[1].images).toHaveLength(2);
   // the tool result's image sits inside the tool response the template renders
