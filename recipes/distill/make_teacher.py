@@ -2,6 +2,7 @@
 recipes/distill and the judge of recipes/judge (same architecture and tokenizer, other weights).
 
     python recipes/distill/make_teacher.py --model .molt/models/tiny --out DIR [--task copy|judge] [--steps 400]
+    (recipes/judge: --task judge --steps 2000 --lr 1e-3 on a 1.08M model, see README)
 
 copy:   `copy abd>` -> `abd` (the embedded task, recipes/copy)
 judge:  `judge abd=abc>` -> `2`, the number of positions where the answer (left) matches the target (right)
@@ -16,16 +17,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def example(task: str, rng: random.Random, letters: str) -> tuple[str, str]:
+def example(task: str, rng: random.Random, letters: str, any_char: bool = False) -> tuple[str, str]:
     target = "".join(rng.choice(letters) for _ in range(3))
     if task == "copy":
         return f"copy {target}>", target
     # answers with 0..3 matching positions, equally often
     matches = rng.randint(0, 3)
     keep = set(rng.sample(range(3), matches))
-    # a mismatch is another of the letters, or (half the time) any printable character: a policy early in training
-    # answers with arbitrary bytes, and the judge must score those 0 too
-    others = letters if rng.random() < 0.5 else "".join(chr(i) for i in range(33, 127))
+    # a mismatch is another of the letters, or (with any_char, half the time) any printable character: a policy
+    # early in training answers with arbitrary bytes, and the judge must score those 0 too
+    others = letters if not any_char or rng.random() < 0.5 else "".join(chr(i) for i in range(33, 127))
     answer = "".join(c if i in keep else rng.choice([x for x in others if x != c]) for i, c in enumerate(target))
     return f"judge {answer}={target}>", str(matches)
 
@@ -46,7 +47,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     for step in range(args.steps):
-        pairs = [example(args.task, rng, args.letters) for _ in range(args.batch)]
+        # judge: letters only for the first 60% of the steps, then any character too. Mixed from the start, the
+        # model learns "a stray character means a low score" and stops there (accuracy 0.6 after 2000 steps).
+        any_char = step >= 0.6 * args.steps
+        pairs = [example(args.task, rng, args.letters, any_char) for _ in range(args.batch)]
         ids = torch.tensor([list((q + a).encode()) for q, a in pairs])  # [B, L]: one length per task
         answer = len(pairs[0][1])
         logits = model(input_ids=ids).logits[:, -answer - 1:-1]  # [B, answer, V]: the answer's predictions
