@@ -56,15 +56,20 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput, pools
     const session = `eval/${runId}/s${step}/g${groupIndex}/e${episode}`;
     if (running < maxRunning) running++;
     else await new Promise<void>((start) => waiting.push(start)); // a finished episode hands over its slot
+    const poolFailure: { error?: unknown } = {};
     try {
-      const clients = poolClients(pools, config, session, ctx.cancellationSignal, null, {});
+      const clients = poolClients(pools, config, session, ctx.cancellationSignal, null, {}, poolFailure);
       const result = await episodes(episode, (body) => router.generate(session, body, ctx.cancellationSignal), clients,
         imageDir ? (data) => router.image(session, { data, dir: imageDir }, ctx.cancellationSignal) : undefined);
+      if (poolFailure.error) throw poolFailure.error; // even if the agent carried on without the answer
       result.segments.forEach((t) => t.versions.forEach((v, i) => {
         if (t.lossMask[i]) { versions.min = Math.min(versions.min, v); versions.max = Math.max(versions.max, v); }
       }));
       return result.reward;
     } catch (e) {
+      // A pool engine that failed inside the recipe's code (a judge down) fails the activity, which is retried, as in
+      // rolloutGroup: not the episode's fault.
+      if (poolFailure.error) throw poolFailure.error;
       if (!(e instanceof AgentError || (e instanceof ServiceError && e.status === 400))) throw e; // engines down: retry
       failed++;
       ctx.log.warn('eval episode failed', { groupIndex, episode, error: (e as Error).message });

@@ -7,6 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { callService, ServiceError } from '../../activities/gpu-client';
+import { evaluate } from '../../activities/evaluate';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
 import type { GroupResult, ServiceEndpoints } from '../../activities/types';
@@ -128,6 +129,20 @@ test('a judge engine that fails inside env.step fails the activity (retried), no
   expect(failed).toBeInstanceOf(ServiceError);
   expect(failed.nonRetryable).toBeFalsy();
   expect(Object.keys(beat?.failed ?? {})).toHaveLength(0);
+});
+
+test('a judge engine that fails during evaluation fails the activity (retried), not scores 0', async () => {
+  // As in rolloutGroup: before, the dead judge's error counted as the episode's and every episode scored 0.
+  const config = RecipeConfig.parse({
+    ...JSON.parse(fs.readFileSync(path.join(JUDGE_DIR, 'recipe.json'), 'utf8')), group_size: 2,
+    pools: { judge: { model: tinyModel() } }, eval: { every: 1, prompts: 2, samples: 1 },
+  });
+  const deadJudge = new EngineRouter([`http://127.0.0.1:${await freePort()}`], TOKEN);
+  const failed: any = await new MockActivityEnvironment().run(evaluate, new EngineRouter([policy.url], TOKEN),
+    { runId: 'pools-eval-dead-judge', step: 0, recipeDir: JUDGE_DIR, config }, { judge: deadJudge }, storeRoot)
+    .catch((e: any) => e);
+  expect(failed).toBeInstanceOf(ServiceError);
+  expect(failed.nonRetryable).toBeFalsy();
 });
 
 test('a recipe pool the worker has no engines for fails the group at once, naming it', async () => {
