@@ -133,7 +133,9 @@ def moe_routing(model, routes: torch.Tensor | None, replay: bool):
             has = (recorded >= 0).all(dim=-1, keepdim=True)  # [b*L, 1]
             experts = torch.where(has, recorded, own)  # [b*L, k]
             picked = torch.softmax(logits.float(), dim=-1).gather(-1, experts)  # [b*L, k]
-            if getattr(module, "norm_topk_prob", False):
+            # Qwen3-VL-MoE's router (Mixtral's too) always renormalizes and has no norm_topk_prob: without the
+            # attribute, its own scores tell (renormalized ones sum to 1; bf16 rounding stays well under 1e-2)
+            if getattr(module, "norm_topk_prob", ((scores.float().sum(dim=-1) - 1).abs() < 1e-2).all()):
                 picked = picked / picked.sum(dim=-1, keepdim=True)
             return logits, torch.where(has, picked.to(scores.dtype), scores), experts
         return hook

@@ -1,8 +1,9 @@
 """Write a tiny random-init vision-language model directory: Qwen3-VL (a Qwen3 text model with a vision tower
 and DeepStack), its image processor, and the byte tokenizer of gpu-services/make_tiny_model.py extended with
-Qwen's vision tokens. Deterministic for a seed; small enough for CPU tests (~200K parameters).
+Qwen's vision tokens. Deterministic for a seed; small enough for CPU tests (~200K parameters). --moe: a Qwen3-VL-MoE
+instead (each text layer 4 experts, top 2; the same vision tower, processor and tokenizer), for routing replay.
 
-    python recipes/geo/make_tiny_vlm.py --out .molt/models/tiny-vlm [--seed 0]
+    python recipes/geo/make_tiny_vlm.py --out .molt/models/tiny-vlm [--seed 0] [--moe]
 
 Images are resized (Qwen's smart_resize) to multiples of 16 pixels (patch 8 x merge 2) with at most 128 x 128
 pixels, so an image is 1 to 64 placeholder tokens: (height / 16) * (width / 16).
@@ -32,8 +33,8 @@ VLM_TEMPLATE = (CHAT_TEMPLATE.replace("<|im_start|>user\n{{ message.content }}",
                 .replace("<tool_response>\n{{ message.content }}", "<tool_response>\n" + CONTENT))
 
 
-def model_config():
-    from transformers import Qwen3VLConfig
+def model_config(moe: bool = False):
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
     text = dict(vocab_size=256 + len(SPECIALS) + len(VISION), hidden_size=64, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=2, head_dim=32, intermediate_size=256,
                 max_position_embeddings=1024, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
@@ -43,7 +44,9 @@ def model_config():
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=TEMPORAL, out_hidden_size=64,
                   num_position_embeddings=64, deepstack_visual_indexes=[0])
-    return Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+    if moe:  # the dense MLP's 256 split into 4 experts of 64, as make_tiny_model.py --moe does
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
                          vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=True)
 
 
@@ -53,12 +56,12 @@ def image_processor():
                                     size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
 
 
-def make(out: str, seed: int = 0) -> Path:
+def make(out: str, seed: int = 0, moe: bool = False) -> Path:
     from transformers import AutoModelForImageTextToText
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForImageTextToText.from_config(model_config(), dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(model_config(moe), dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)
     tok = byte_tokenizer()
     tok.add_special_tokens(VISION)
@@ -75,5 +78,6 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--moe", action="store_true")
     a = p.parse_args()
-    print(make(a.out, a.seed))
+    print(make(a.out, a.seed, a.moe))

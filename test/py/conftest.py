@@ -93,3 +93,10 @@ def tiny_vlm(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT / "recipes" / "geo"))
     from make_tiny_vlm import make
     return make(str(tmp_path_factory.mktemp("models") / "tiny-vlm"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_moe(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(ROOT / "recipes" / "geo"))
+    from make_tiny_vlm import make
+    return make(str(tmp_path_factory.mktemp("models") / "tiny-vlm-moe"), seed=0, moe=True)

@@ -2,7 +2,7 @@
 stored content-addressed, a multi-turn image conversation generated over the expanded placeholder ids, and the
 actor's logprobs on the stored segment (the same stored pixel values) equal to the engine's; an image processed at
 another resolution gives other logprobs (so the check sees re-processing); an FSDP2 step with the vision tower
-frozen or trained; bad images get a 400 naming the problem."""
+frozen or trained; bad images get a 400 naming the problem; a Qwen3-VL-MoE's recorded experts replayed by the actor."""
 import base64
 import io
 import json
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from PIL import Image, ImageDraw
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from conftest import actor_server, client, engine_server
@@ -21,6 +22,7 @@ torch.set_num_threads(1)
 TOL = 1e-4  # engine vs actor, fp32 on CPU
 RUN = "run-vlm"
 IM_START, IM_END, V_START, V_END, IMAGE_PAD = 257, 258, 259, 260, 261
+NO_ROUTE = [[-1, -1]] * 2  # the tiny MoE VLM's record for a token it did not sample: [layers][top_k]
 
 
 def png(size=(64, 48), shape=((5, 40), (58, 8), (30, 44)), colour="red") -> bytes:
@@ -55,15 +57,16 @@ def engine(tiny_vlm, tmp_path_factory):
         yield url
 
 
-def run_episode(c, root, episode: int, reward: float) -> dict:
+def run_episode(c, root, episode: int, reward: float, routes: bool = False) -> dict:
     """Two turns: [triangle] -> reply, [square, triangle again] -> reply; one segment, written as the rollout worker
-    writes it, with its images stored once in the episode's image folder."""
+    writes it, with its images stored once in the episode's image folder (and with routes, an MoE model: the experts
+    the engine recorded with each sampled token, -1 rows for the others)."""
     images_dir = root / RUN / "trajectories" / "g0" / f"e{episode}-images"
     tri = post_image(c, png(), images_dir)
     square = post_image(c, png(shape=((8, 8), (56, 8), (56, 40), (8, 40)), colour="blue"), images_dir)
     assert post_image(c, png(), images_dir)["path"] == tri["path"]  # content-addressed: the same file
     assert tri["grid_thw"] == [1, 6, 8] and tri["tokens"] == 12  # 48x64 pixels, patch 8, merge 2
-    tokens, logprobs, versions, mask, paths = [], [], [], [], []
+    tokens, logprobs, versions, mask, paths, experts = [], [], [], [], [], []
     for turn, (parts, images) in enumerate([([tri["tokens"], "angle?"], [tri]),
                                             ([square["tokens"], "and ", tri["tokens"], "?"], [square, tri])]):
         prompt = (text("\n") if turn else []) + user_turn(parts)
@@ -71,9 +74,11 @@ def run_episode(c, root, episode: int, reward: float) -> dict:
         logprobs += [0.0] * len(prompt)
         versions += [-1] * len(prompt)
         mask += [0] * len(prompt)
+        experts += [NO_ROUTE] * len(prompt)
         paths += [im["path"] for im in images]
-        r = c.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "sampling": {
-            "max_tokens": 6, "seed": 10 * episode + turn, "stop_token_ids": [IM_END]}})
+        r = c.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "return_routed_experts": routes,
+                                      "sampling": {"max_tokens": 6, "seed": 10 * episode + turn,
+                                                   "stop_token_ids": [IM_END]}})
         assert r.status_code == 200, r.text
         out = r.json()
         closed = out["token_ids"][-1] == IM_END  # else the turn's end is context, not sampled
@@ -81,13 +86,15 @@ def run_episode(c, root, episode: int, reward: float) -> dict:
         logprobs += out["logprobs"] + ([] if closed else [0.0])
         versions += out["versions"] + ([] if closed else [-1])
         mask += [1] * len(out["token_ids"]) + ([] if closed else [0])
+        experts += (out["routed_experts"] or []) + ([] if closed else [NO_ROUTE])
     ref = f"{RUN}/trajectories/g0/e{episode}-s0.safetensors"
-    save_file({"tokens": torch.tensor(tokens, dtype=torch.int32), "logprobs": torch.tensor(logprobs),
-               "versions": torch.tensor(versions, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8)},
-              str(root / ref), metadata={
-                  "format": "molt-trajectory-v1", "run": RUN, "group": "0", "episode": str(episode), "segment": "0",
-                  "reward": str(reward), "finish": "stop",
-                  "images": json.dumps([str(Path(p).relative_to(root)) for p in paths])})
+    segment = {"tokens": torch.tensor(tokens, dtype=torch.int32), "logprobs": torch.tensor(logprobs),
+               "versions": torch.tensor(versions, dtype=torch.int32), "loss_mask": torch.tensor(mask, dtype=torch.uint8)}
+    if routes:
+        segment["routed_experts"] = torch.tensor(experts, dtype=torch.int16)  # [T, layers, top_k]
+    save_file(segment, str(root / ref), metadata={
+        "format": "molt-trajectory-v1", "run": RUN, "group": "0", "episode": str(episode), "segment": "0",
+        "reward": str(reward), "finish": "stop", "images": json.dumps([str(Path(p).relative_to(root)) for p in paths])})
     return {"root": root, "ref": ref, "tokens": tokens, "logprobs": torch.tensor(logprobs),
             "mask": torch.tensor(mask, dtype=torch.bool), "paths": paths, "images_dir": images_dir}
 
@@ -219,3 +226,39 @@ def test_bad_images_and_placeholder_counts_are_400s(engine, episode, tiny_model,
     with engine_server(tiny_model, tmp_path) as text_only, client(text_only) as c:
         r = c.post("/images", json={"data": base64.b64encode(png()).decode(), "dir": str(tmp_path)})
         assert r.status_code == 400 and "not a vision-language model" in r.json()["error"]
+
+
+def test_moe_vlm_actor_replays_the_experts_the_engine_recorded(tiny_vlm_moe, tmp_path):
+    """Routing replay on a Qwen3-VL-MoE (invariant 3 for MoE with images): the engine records each sampled token's
+    experts over the multi-turn image conversation; the actor, replaying them over the same stored images, computes
+    the engine's logprobs. Routes that are not the engine's (each expert id + 1) change the logprobs only when
+    replayed, so the check sees whether the actor runs the recorded experts."""
+    (tmp_path / "state").mkdir()
+    with engine_server(tiny_vlm_moe, tmp_path) as e, client(e) as c, \
+            actor_server(tiny_vlm_moe, tmp_path / "state", 1) as a, client(a) as ac:
+        refs = [run_episode(c, tmp_path, i, float(1 - i), routes=True)["ref"] for i in range(2)]
+        shifted = []
+        for ref in refs:
+            t = load_file(str(tmp_path / ref))
+            sampled, experts = t["loss_mask"].bool(), t["routed_experts"]
+            assert experts.shape[1:] == (2, 2) and (experts[sampled] >= 0).all() and (experts[~sampled] == -1).all()
+            t["routed_experts"] = torch.where(sampled[:, None, None], (experts + 1) % 4, experts)
+            shifted.append(ref.replace(".safetensors", "-shifted.safetensors"))
+            save_file(t, str(tmp_path / shifted[-1]), metadata=safe_open(str(tmp_path / ref), "pt").metadata())
+
+        def step(n: int, trajectories: list[str], replay: bool) -> dict:  # lr ~0: every step sees the same weights
+            r = ac.post("/train_step", json={"run_id": "vlm-moe", "step": n, "store_root": str(tmp_path),
+                                             "trajectories": trajectories,
+                                             "algo": {"lr": 1e-12, "routing_replay": replay}})
+            assert r.status_code == 200, r.text
+            return r.json()["metrics"]
+
+        on, off = step(1, refs, True), step(2, refs, False)
+        shifted_on, shifted_off = step(3, shifted, True), step(4, shifted, False)
+    print(f"\nMoE VLM, {int(on['tokens/sampled'])} sampled tokens: engine vs actor max |logprob diff| with replay "
+          f"{on['rollout_logp_max_abs_diff']:.2e}, without {off['rollout_logp_max_abs_diff']:.2e}; routes shifted: "
+          f"with replay {shifted_on['rollout_logp_max_abs_diff']:.2e}, without {shifted_off['rollout_logp_max_abs_diff']:.2e}")
+    assert on["routing/agreement"] == 1 and on["tokens/trained"] == on["tokens/sampled"] > 0
+    assert on["rollout_logp_max_abs_diff"] < TOL and off["rollout_logp_max_abs_diff"] < TOL
+    assert shifted_on["routing/agreement"] == 0 and shifted_on["rollout_logp_max_abs_diff"] > 10 * TOL
+    assert shifted_off["rollout_logp_max_abs_diff"] < TOL
