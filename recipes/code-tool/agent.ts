@@ -4,7 +4,7 @@
 import OpenAI from 'openai';
 import type { ChatAgentRunner } from '../../agents/contract';
 import { codeTask, scoreSolution, type CodeTask } from '../code/agent';
-import { PYTHON_TOOL, runPythonTool } from '../code/python-tool';
+import { chatWithPythonTool, PYTHON_TOOL } from '../code/python-tool';
 
 const SYSTEM = 'You may run Python with the python tool. Answer with the function in a ```python block.';
 
@@ -20,24 +20,8 @@ export const AgentRunner: ChatAgentRunner = {
   async run(ctx) {
     const { task, maxTurns } = ctx.label as { task: CodeTask; maxTurns: number };
     const client = new OpenAI({ baseURL: ctx.openaiBaseURL, apiKey: ctx.apiKey, maxRetries: 0 });
-    const messages = [...ctx.messages] as OpenAI.ChatCompletionMessageParam[];
-    let answer = '';
-    let toolCalls = 0;
-    for (let turn = 0; turn < maxTurns; turn++) {
-      const reply = await client.chat.completions.create({
-        model: ctx.model, messages, tools: ctx.tools as OpenAI.ChatCompletionTool[],
-      });
-      const message = reply.choices[0].message;
-      messages.push(message as OpenAI.ChatCompletionMessageParam);
-      answer = message.content ?? '';
-      if (!message.tool_calls?.length) break;
-      for (const call of message.tool_calls) {
-        toolCalls++;
-        const content = call.type === 'function' && call.function.name === 'python'
-          ? await runPythonTool(call.function.arguments) : 'unknown tool: only python is available';
-        messages.push({ role: 'tool', tool_call_id: call.id, content });
-      }
-    }
+    const { answer, toolCalls } = await chatWithPythonTool(client, ctx.model,
+      [...ctx.messages] as OpenAI.ChatCompletionMessageParam[], maxTurns);
     const score = await scoreSolution(answer, task);
     return { reward: score.reward, info: { answer, toolCalls, passed: score.passed, total: score.total } };
   },
