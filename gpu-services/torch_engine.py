@@ -41,7 +41,7 @@ from transformers import DynamicCache
 
 from common import check_generate_ids, load_causal_lm, moe_routers, read_safetensors
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
-from vision import check_placeholders, decode_base64, image_token_id, load_image, process_image, save_image, vision_inputs
+from vision import check_placeholders, image_token_id, load_image, store_image, vision_inputs
 from weight_transfer import Membership, recv_bucket_into
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
@@ -196,10 +196,7 @@ class TorchEngine:
         """Process an image once, store it content-addressed; generate requests and trajectories then name it."""
         if not self.vlm:
             raise ValueError(f"model {self.name!r} is not a vision-language model: it takes no images")
-        tensors = process_image(self.processor, decode_base64(req.data))
-        grid = tensors["image_grid_thw"]
-        merge = self.model.config.vision_config.spatial_merge_size
-        return {"path": save_image(req.dir, tensors), "grid_thw": grid[0].tolist(), "tokens": int(grid.prod()) // merge ** 2}
+        return store_image(self.processor, self.model.config, req)
 
     def score(self, token_ids: list[int]) -> tuple[list[float], int]:
         """Teacher scoring: log p(token_ids[t] | token_ids[:t]) under the plain softmax, [0] = 0; one forward,

@@ -53,6 +53,15 @@ def process_image(processor, data: bytes) -> dict[str, torch.Tensor]:
     return {"pixel_values": out["pixel_values"].float().contiguous(), "image_grid_thw": out["image_grid_thw"].long()}
 
 
+def store_image(processor, config, req) -> dict:
+    """POST /images for either engine backend: process the image once and store it content-addressed; generate
+    requests and trajectories then name the file. config: the model's HF config (its merge size)."""
+    tensors = process_image(processor, decode_base64(req.data))
+    grid = tensors["image_grid_thw"]
+    return {"path": save_image(req.dir, tensors), "grid_thw": grid[0].tolist(),
+            "tokens": int(grid.prod()) // config.vision_config.spatial_merge_size ** 2}
+
+
 def save_image(directory: str, tensors: dict[str, torch.Tensor]) -> str:
     """Write the processed tensors to <directory>/<sha256>.safetensors (atomically) and return that path."""
     data = save(tensors)

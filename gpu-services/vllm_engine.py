@@ -17,6 +17,12 @@ What maps to what:
                      vLLM's own loading path (initialize_layerwise_reload, model.load_weights,
                      finalize_layerwise_reload), which maps HF names onto vLLM's fused/sharded parameters.
   prefix caching  -> on, with cache_salt = the weight version, so a prefix cached under old weights is never reused.
+  images          -> /images stores processed images as the torch engine does (vision.store_image). A request's stored
+                     pixel values and grids go to vLLM as multi_modal_data {"image": {pixel_values, image_grid_thw,
+                     image_embeds}} (a dict of processed tensors: vLLM does not run its image processor on it; the
+                     model encodes pixel_values when present, the zero-width image_embeds only satisfies the parser,
+                     which wants that key). vLLM expands each <|image_pad|> into the image's placeholders itself, so
+                     each expanded run is collapsed to one pad first; vLLM's expansion gives back the same ids.
 
 vLLM engine arguments beyond these (tensor_parallel_size, speculative_config, gpu_memory_utilization,
 enforce_eager, max_model_len, ...) come as a JSON object in the env var MOLT_VLLM_ARGS and go straight to
@@ -29,13 +35,15 @@ import os
 import threading
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 from typing import AsyncIterator, Optional
 
 import torch
 from safetensors import safe_open
 
 from common import check_generate_ids, check_model_dir
-from contract import GenerateRequest, NotInGroup, WeightReceiveRequest
+from contract import GenerateRequest, ImageRequest, NotInGroup, WeightReceiveRequest
+from vision import check_placeholders, load_image, placeholders, store_image, vision_token_ids
 from weight_transfer import Membership, recv_bucket
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
@@ -81,10 +89,32 @@ class MoltWorker:
 def hf_weight_shapes(model_dir: str) -> dict[str, list[int]]:
     """name -> shape of every tensor in the HF model's state dict (tied weights under both names), from a
     model built on the meta device: what the actor sends and what a checkpoint may hold."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+        model = (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM).from_config(config)
     return {name: list(t.shape) for name, t in model.state_dict().items()}
+
+
+# enable_mm_embeds: the parser takes a dict of processed tensors only as "embeddings" (see the module docstring).
+# mm_device_do_normalize off: vLLM 0.32 would otherwise have its processor emit raw uint8 pixels and normalize them
+# inside the model (Qwen3-VL's input_norm), and our stored pixel_values are normalized already: left on, they were
+# normalized twice (seen: logprobs off by 0.2 after an image; 4.8e-7 with it off).
+VLM_ARGS = {"enable_mm_embeds": True, "mm_device_do_normalize": False}
+
+
+def collapse_placeholders(ids: list[int], image_id: int, counts: list[int]) -> list[int]:
+    """ids with image i's run of counts[i] placeholders (in order) cut to one: the prompt vLLM expands itself."""
+    out, i, k = [], 0, 0
+    while i < len(ids):
+        out.append(ids[i])
+        if ids[i] == image_id:
+            if ids[i:i + counts[k]] != [image_id] * counts[k]:
+                raise ValueError(f"prompt_token_ids: image {k}'s {counts[k]} placeholders are not one run at {i}")
+            i, k = i + counts[k], k + 1
+        else:
+            i += 1
+    return out
 
 
 class VllmEngine:
@@ -96,6 +126,14 @@ class VllmEngine:
         self.name = name or Path(model_dir).resolve().name
         self.keep_stale_kv = keep_stale_kv
         self.shapes = hf_weight_shapes(model_dir)
+        from transformers import AutoConfig
+        self.hf = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # what vision.py's checks read
+        self.vlm = hasattr(self.hf.config, "vision_config")
+        # the policy never samples vision tokens: -1e4 on their logits, as load_causal_lm does for the torch engine
+        self.banned = {t: -1e4 for t in vision_token_ids(self.hf.config)}
+        if self.vlm:
+            from transformers import AutoImageProcessor
+            self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.version = 0
         self._paused = False
         self._group = None  # the weight transfer group the worker holds (weight_transfer.Membership)
@@ -106,7 +144,8 @@ class VllmEngine:
         threading.Thread(target=self.loop.run_forever, name="vllm-loop", daemon=True).start()
         args = AsyncEngineArgs(model=model_dir, dtype=dtype, max_num_seqs=max_batch, seed=0,
                                logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                               worker_extension_cls="vllm_engine.MoltWorker", **(engine_args or {}))
+                               worker_extension_cls="vllm_engine.MoltWorker",
+                               **(VLM_ARGS if self.vlm else {}), **(engine_args or {}))
 
         async def start():
             return AsyncLLM.from_engine_args(args)
@@ -146,8 +185,8 @@ class VllmEngine:
         check_generate_ids(req, self.vocab_size, self.max_len, "max_model_len")
         if req.return_routed_experts:
             raise ValueError("return_routed_experts is not supported by the engine server yet")
-        if req.images:  # TODO(issue 18): pass the stored processed images as vLLM multimodal data
-            raise ValueError("images are not supported by the vllm backend yet (use the torch backend)")
+        images = [load_image(p, f"images[{i}]") for i, p in enumerate(req.images)]
+        check_placeholders(self.hf, req.prompt_token_ids, images, "prompt_token_ids")
         request_id = req.request_id or uuid.uuid4().hex
         if request_id in self._live:
             raise ValueError(f"request_id {request_id!r} is already in flight")
@@ -155,8 +194,17 @@ class VllmEngine:
         params = SamplingParams(max_tokens=min(s.max_tokens, self.max_len - len(req.prompt_token_ids)),
                                 temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed,
                                 stop_token_ids=list(s.stop_token_ids), ignore_eos=True, logprobs=0,
+                                logit_bias=self.banned or None,
                                 detokenize=False, output_kind=RequestOutputKind.DELTA)
         prompt = TokensPrompt(prompt_token_ids=list(req.prompt_token_ids), cache_salt=f"molt-v{self.version}")
+        if images:
+            counts = [placeholders(self.hf, [im]) for im in images]
+            prompt["prompt_token_ids"] = collapse_placeholders(prompt["prompt_token_ids"],
+                                                               self.hf.config.image_token_id, counts)
+            prompt["multi_modal_data"] = {"image": {
+                "pixel_values": torch.cat([im["pixel_values"] for im in images]),
+                "image_grid_thw": torch.cat([im["image_grid_thw"] for im in images]),
+                "image_embeds": torch.zeros(sum(counts), 0)}}
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
 
@@ -196,8 +244,10 @@ class VllmEngine:
             if finish is None:  # aborted (or failed) without a final output
                 deliver({"token_ids": [], "logprobs": [], "versions": [], "finish_reason": "abort"})
 
-    def process_image(self, req) -> dict:
-        raise ValueError("images are not supported by the vllm backend yet (use the torch backend)")
+    def process_image(self, req: ImageRequest) -> dict:
+        if not self.vlm:
+            raise ValueError(f"model {self.name!r} is not a vision-language model: it takes no images")
+        return store_image(self.processor, self.hf.config, req)
 
     def pause(self, mode: str) -> None:
         """keep: hold in-flight requests (their KV is dropped and recomputed on resume unless keep_stale_kv).

