@@ -13,7 +13,7 @@ import { createActivities } from '../activities';
 import type { GroupResult } from '../activities/types';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
-import { startStack, type Stack } from '../infra/stack';
+import { startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
 import { treeCpuSeconds } from './scale';
 
 export const RECIPE_DIR = path.join(REPO_ROOT, 'recipes', 'copy');
@@ -29,7 +29,12 @@ export interface LoopResult {
 
 // `pinned`: the engines on CPU 0 and the actor on CPU 1, as each has its own GPU on a cluster
 // (on a one-CPU machine, nothing is pinned).
+// Ctrl-C on a bench stops its stack: without this the bench's node process exited alone and left the Temporal
+// server, the engines and the actor running (they run in process groups of their own).
+let stopsOnSignals = false;
 export async function withStack<T>(config: RecipeConfig, workers: boolean, fn: (stack: Stack) => Promise<T>, pinned = false): Promise<T> {
+  if (!stopsOnSignals) stopStacksOnSignals((signal) => console.error(`\n${signal}: stopping the bench's stack`));
+  stopsOnSignals = true;
   const stack = await startStack({
     modelDir: resolveModelDir(config.model), stateDir: fs.mkdtempSync(path.join(os.tmpdir(), 'molt-bench-')),
     engines: config.engines.count, workers, quiet: true, ...(pinned && os.cpus().length >= 2 ? { cpus: { engines: '0', actor: '1' } } : {}),
