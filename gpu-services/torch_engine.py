@@ -39,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+import fast_forward
 from common import check_generate_ids, load_causal_lm, moe_routers, read_safetensors
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
 from vision import check_placeholders, image_token_id, load_image, store_image, vision_inputs
 from weight_transfer import Membership, recv_bucket_into
 
+UNIFORMS = 64
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
 #                 and "routed_experts": [[[expert id] * top_k] * layers] * tokens when the request asked}
 
@@ -66,9 +68,17 @@ class Sequence:
     routes: list = field(default_factory=list)  # per token [layers][top_k], when asked
     sent: int = 0  # tokens already handed to the HTTP handler
     finish_reason: Optional[str] = None
+    uniforms: list[float] = field(default_factory=list)  # drawn from generator ahead, UNIFORMS at a time
 
     def context(self) -> list[int]:
         return self.prompt + self.tokens
+
+    def uniform(self) -> float:
+        """The request's next uniform in [0, 1). Drawn in blocks: a torch.rand call per token cost more than the
+        tiny model's decode step at 64 requests."""
+        if not self.uniforms:
+            self.uniforms = torch.rand(UNIFORMS, generator=self.generator).tolist()[::-1]
+        return self.uniforms.pop()
 
 
 def filter_logits(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -126,6 +136,7 @@ class TorchEngine:
         self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
         self._membership = Membership()  # in the actor's weight transfer group
         self._routers = moe_routers(self.model)
+        self._fast = fast_forward.supports(self.model)  # dense Qwen3: the engine's own forward (fast_forward.py)
         self.vlm = image_token_id(self.model) is not None
         if self.vlm:
             from transformers import AutoImageProcessor
@@ -365,8 +376,12 @@ class TorchEngine:
                 positions = positions[None].expand(3, -1, -1)  # [3, B, 1]
             self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
             self._picked.clear()
-            logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
-                                cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+            if self._fast:
+                logits = fast_forward.forward(self.model, input_ids, positions, torch.ones_like(input_ids, dtype=torch.bool),
+                                              self._cache, self._mask.bool()[:, None, None, :])  # [B, V]
+            else:
+                logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
+                                    cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
             self._sample(self._running, logits, self._last_routes(B))
         if admitted:  # prefill over prompt + tokens so far (the tokens are there after a weight swap)
             contexts = [s.context() for s in admitted]
@@ -381,10 +396,15 @@ class TorchEngine:
                     attention_mask=mask)
                 for s, delta in zip(admitted, deltas[:, 0].tolist()):
                     s.rope_delta = delta
-            cache = DynamicCache(config=self.model.config.get_text_config())
+            cache = fast_forward.new_cache(self.model.config.get_text_config())
             self._picked.clear()
-            logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                use_cache=True, logits_to_keep=1, **images).logits[:, -1]  # [A, V]
+            if self._fast:  # causal, over real keys (a padding query sees itself: a row of no keys would be NaN)
+                causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()  # [L, L]
+                allowed = causal & (mask.bool()[:, None, :] | torch.eye(L, dtype=torch.bool, device=self.device))
+                logits = fast_forward.forward(self.model, input_ids, positions, mask.bool(), cache, allowed[:, None])
+            else:
+                logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, cache=cache,
+                                    use_cache=True, logits_to_keep=1, **images).logits[:, -1]  # [A, V]
             self._sample(admitted, logits, self._last_routes(len(admitted)))
             self._merge(admitted, cache, mask)
         self._drop_finished()
@@ -413,11 +433,13 @@ class TorchEngine:
             scaled = filter_logits(scaled, top_k, top_p)
         logp = F.log_softmax(scaled, dim=-1)  # [B, V]
         # inverse-CDF sampling, one uniform per token from the request's own generator
-        u = torch.stack([torch.rand((), generator=s.generator) for s in seqs]).to(self.device)  # [B]
+        u = torch.tensor([s.uniform() for s in seqs], device=self.device)  # [B]
         cdf = logp.exp().cumsum(dim=-1)  # [B, V]
         sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [B], never a masked token
-        tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
-        logp = torch.where(greedy[:, None], F.log_softmax(logits, dim=-1), logp)
+        tokens = sampled
+        if greedy.any():
+            tokens = torch.where(greedy, logits.argmax(dim=-1), sampled)  # [B]
+            logp = torch.where(greedy[:, None], F.log_softmax(logits, dim=-1), logp)
         logprobs = logp.gather(1, tokens[:, None])[:, 0]  # [B]
         for i, (seq, token, logprob) in enumerate(zip(seqs, tokens.tolist(), logprobs.tolist())):
             seq.tokens.append(token)
@@ -427,7 +449,7 @@ class TorchEngine:
                 seq.routes.append(routes[i])
             if token in seq.sampling.stop_token_ids:
                 seq.finish_reason = "stop"
-            elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.context()) >= self.max_len:
+            elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_len:
                 seq.finish_reason = "length"
             if seq.stream or seq.finish_reason:
                 self._outbox.append(seq)
@@ -440,8 +462,8 @@ class TorchEngine:
         L = max(self._mask.shape[1], mask.shape[1])
         pad = lambda t, dim: F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (L - t.shape[dim], 0))  # left-pad along dim
         for old, new in zip(self._cache.layers, cache.layers):
-            old.keys = torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0)
-            old.values = torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0)
+            fast_forward.set_kv(old, torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0),
+                                torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0))
         self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)], dim=0)
         self._running += seqs
 
@@ -462,5 +484,4 @@ class TorchEngine:
         first = int(mask.any(dim=0).nonzero()[0])  # leading columns that are padding in every row
         self._mask = mask[:, first:]
         for layer in self._cache.layers:
-            layer.keys = layer.keys[rows, :, first:]
-            layer.values = layer.values[rows, :, first:]
+            fast_forward.set_kv(layer, layer.keys[rows, :, first:], layer.values[rows, :, first:])

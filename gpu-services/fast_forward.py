@@ -1,0 +1,103 @@
+"""The torch engine's forward for dense Qwen3-family text models, and the KV cache layer it (and HF's forward) writes.
+
+Why not the model's own forward? At the sizes the engine serves on CPU it is not the arithmetic that costs:
+- the tiny model's decode step spent ~3/4 of its time in Python (module calls, mask building, kwargs plumbing);
+- DynamicLayer copies the whole KV cache every step (torch.cat: 17% of a 33.7M decode step);
+- a left-padded prefill runs every linear layer over the padding too (a third of the work for prompts of 8-24 ids).
+This forward calls the model's own norm and MLP modules and its weights (so a weight swap needs nothing here, and the
+arithmetic is HF's, op for op), runs the linear layers over real tokens only, and writes the cache in place. Anything
+else (MoE routers, vision towers, sliding windows) keeps the model's forward: `supports` says which.
+"""
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+SPARE = 32  # cache columns allocated ahead: one copy of the cache per SPARE decode steps instead of one per step
+
+
+class GrowingLayer(DynamicLayer):
+    """A cache layer whose keys/values [B, heads, L, head_dim] are views of buffers with spare columns, so a step
+    writes its new columns in place. `set` replaces the contents (batch rows merged or dropped)."""
+
+    def __init__(self):
+        super().__init__()
+        self._kbuf = self._vbuf = None
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys, self.values, self._kbuf, self._vbuf = keys, values, None, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.is_initialized, self.device = True, key_states.device
+            self.set(key_states[:, :, :0], value_states[:, :, :0])
+        L, n = self.keys.shape[2], key_states.shape[2]
+        if self._kbuf is None or self._kbuf.shape[2] < L + n:
+            self._kbuf = F.pad(self.keys, (0, 0, 0, n + SPARE))  # [B, heads, L + n + SPARE, head_dim]
+            self._vbuf = F.pad(self.values, (0, 0, 0, n + SPARE))
+        self._kbuf[:, :, L:L + n] = key_states
+        self._vbuf[:, :, L:L + n] = value_states
+        self.keys, self.values = self._kbuf[:, :, :L + n], self._vbuf[:, :, :L + n]
+        return self.keys, self.values
+
+
+def set_kv(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(layer, GrowingLayer):
+        layer.set(keys, values)
+    else:
+        layer.keys, layer.values = keys, values
+
+
+def new_cache(config) -> DynamicCache:
+    """A DynamicCache of GrowingLayers (where every layer is plain full attention; else HF's own layers)."""
+    cache = DynamicCache(config=config)
+    if all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [GrowingLayer() for _ in cache.layers]
+    return cache
+
+
+def supports(model) -> bool:
+    config = model.config
+    return (type(model).__name__ == "Qwen3ForCausalLM" and config.get_text_config() is config
+            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, as transformers' apply_rotary_pos_emb: x [N, heads, D], cos/sin [N, 1, D]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, cache: DynamicCache,
+            attn_mask: torch.Tensor) -> torch.Tensor:
+    """Logits [B, V] at the last position of each row. input_ids/positions/real [B, T] (real: bool, False = left
+    padding, which no linear layer sees); cache: this batch's (new_cache), its T new columns are written; attn_mask
+    [B, 1, T, cached + T] bool, True = may attend."""
+    B, T = input_ids.shape
+    inner = model.model
+    flat = real.reshape(-1)
+    idx = None if bool(flat.all()) else flat.nonzero()[:, 0]  # None: every position is real (a decode step)
+    pick = lambda t: t if idx is None else t[idx]  # [B*T, ...] -> [N, ...]
+    h = inner.embed_tokens(pick(input_ids.reshape(-1)))  # [N, hidden]
+    cos, sin = inner.rotary_emb(h, pick(positions.reshape(-1))[None])  # [1, N, D]
+    cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
+
+    def spread(x: torch.Tensor) -> torch.Tensor:  # [N, heads, D] -> [B, heads, T, D], zeros at padding
+        if idx is not None:
+            x = x.new_zeros(B * T, *x.shape[1:]).index_copy_(0, idx, x)
+        return x.view(B, T, *x.shape[1:]).transpose(1, 2)
+
+    for layer, kv in zip(inner.layers, cache.layers):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.q_norm(F.linear(x, attn.q_proj.weight, attn.q_proj.bias).view(len(x), -1, attn.head_dim))
+        k = attn.k_norm(F.linear(x, attn.k_proj.weight, attn.k_proj.bias).view(len(x), -1, attn.head_dim))
+        v = F.linear(x, attn.v_proj.weight, attn.v_proj.bias).view(len(x), -1, attn.head_dim)
+        keys, values = kv.update(spread(rotate(k, cos, sin)), spread(v))
+        out = F.scaled_dot_product_attention(spread(rotate(q, cos, sin)), keys, values, attn_mask=attn_mask,
+                                             scale=attn.scaling, enable_gqa=attn.num_key_value_groups > 1)
+        out = pick(out.transpose(1, 2).reshape(B * T, -1))  # [N, heads * D]
+        h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    last = h.view(B, T, -1)[:, -1] if idx is None else h[(flat.cumsum(0) - 1).view(B, T)[:, -1]]  # [B, hidden]
+    return model.lm_head(inner.norm(last))
