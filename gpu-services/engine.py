@@ -12,8 +12,10 @@ import sys
 import traceback
 
 import uvicorn
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 
 from common import bad_request, service_app, token_from_env
 from contract import (AbortRequest, EngineHealth, GenerateChunk, GenerateRequest, GenerateResponse, ImageRequest,
@@ -28,8 +30,15 @@ def build_app(backend, token: str | None) -> FastAPI:
     def health() -> EngineHealth:
         return EngineHealth(**backend.health())
 
-    @app.post("/generate")
-    async def generate(req: GenerateRequest):
+    @app.post("/generate", openapi_extra={"requestBody": {"content": {"application/json": {
+        "schema": GenerateRequest.model_json_schema()}}, "required": True}})
+    async def generate(request: Request):
+        # parsed here (pydantic's own JSON parser) rather than by FastAPI's body and dependency machinery, which
+        # cost the event loop a third of what the tiny model's decode cost per token at 64 requests (measured)
+        try:
+            req = GenerateRequest.model_validate_json(await request.body())
+        except ValidationError as e:  # answered as FastAPI answers a bad body (service_app)
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
         with bad_request():
             request_id, events = backend.submit(req)
         if req.stream:
