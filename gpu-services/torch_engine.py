@@ -133,10 +133,12 @@ class TorchEngine:
         self.max_len = text_config.max_position_embeddings  # prompt + output never exceed this
         self.pad_id = text_config.pad_token_id or 0  # masked out; any valid id works
         self.version = 0
+        self._fast = fast_forward.supports(self.model)  # dense Qwen3: the engine's own forward (fast_forward.py)
+        if self._fast:
+            fast_forward.fuse(self.model)
         self._state = self.model.state_dict()  # name -> tensor sharing storage with the live parameters
         self._membership = Membership()  # in the actor's weight transfer group
         self._routers = moe_routers(self.model)
-        self._fast = fast_forward.supports(self.model)  # dense Qwen3: the engine's own forward (fast_forward.py)
         self.vlm = image_token_id(self.model) is not None
         if self.vlm:
             from transformers import AutoImageProcessor

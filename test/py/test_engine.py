@@ -153,27 +153,33 @@ def test_events_come_in_chunks_not_one_per_token(tiny_model):
 
 
 @torch.no_grad()
-def test_fast_forward_matches_the_models_forward(tiny_model, model):
-    """fast_forward (the engine's forward for dense Qwen3) against the model's own forward: a prefill of one
-    unpadded row, a left-padded prefill whose padding no linear layer sees, then decode steps over the cache it wrote."""
+def test_fast_forward_matches_the_models_forward(model):
+    """fast_forward (the engine's forward for dense Qwen3, over fused q/k/v and gate/up weights) against the model's
+    own forward: a prefill of one unpadded row, a left-padded prefill whose padding no linear layer sees, then decode
+    steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does)."""
+    import copy
     import fast_forward
     assert fast_forward.supports(model)
+    fast = copy.deepcopy(model)
+    fast_forward.fuse(fast)
     g = torch.Generator().manual_seed(0)
-    for lens in ([7], [5, 12, 9]):
+    for reference, lens in ((model, [7]), (model, [5, 12, 9]), (perturbed(model, 1), [5, 12, 9])):
+        for name, t in fast.state_dict().items():
+            t.copy_(reference.state_dict()[name])
         seqs = [torch.randint(0, 256, (n + 4,), generator=g).tolist() for n in lens]
         L = max(lens)
         ids = torch.tensor([[0] * (L - n) + s[:n] for s, n in zip(seqs, lens)])  # [B, L], left-padded
         mask = torch.tensor([[0] * (L - n) + [1] * n for n in lens])
         allowed = torch.ones(L, L, dtype=torch.bool).tril() & (mask.bool()[:, None, :] | torch.eye(L, dtype=torch.bool))
-        cache = fast_forward.new_cache(model.config)
-        steps = [fast_forward.forward(model, ids, (mask.cumsum(1) - 1).clamp(min=0), mask.bool(), cache, allowed[:, None])]
+        cache = fast_forward.new_cache(fast.config)
+        steps = [fast_forward.forward(fast, ids, (mask.cumsum(1) - 1).clamp(min=0), mask.bool(), cache, allowed[:, None])]
         for t in range(4):
             mask = torch.cat([mask, torch.ones(len(lens), 1, dtype=mask.dtype)], 1)
-            steps.append(fast_forward.forward(model, torch.tensor([[s[n + t]] for s, n in zip(seqs, lens)]),
+            steps.append(fast_forward.forward(fast, torch.tensor([[s[n + t]] for s, n in zip(seqs, lens)]),
                                               torch.tensor([[n + t] for n in lens]), torch.ones(len(lens), 1, dtype=torch.bool),
                                               cache, mask.bool()[:, None, None, :]))
         for i, (s, n) in enumerate(zip(seqs, lens)):
-            want = model(input_ids=torch.tensor([s])).logits[0, n - 1:n + 4]  # [5, V]
+            want = reference(input_ids=torch.tensor([s])).logits[0, n - 1:n + 4]  # [5, V]
             got = torch.stack([step[i] for step in steps])
             assert (got - want).abs().max() < 1e-5, (lens, i)
 
