@@ -432,30 +432,18 @@ class Actor:
     # --- weights out
 
     def push_weights(self, buckets: list[list[str]], group=None) -> int:
-        """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts it to the engines, gathering
-        and packing bucket k+1 while bucket k is on the wire. A send failure on rank 0 is raised only after the
-        loop, so the other ranks' gathers stay in step."""
+        """All ranks gather each bucket's full tensors (a collective); rank 0 broadcasts them to the engines, gathering
+        the next buckets while earlier ones are on the wire. After a send failure rank 0 still gathers the rest, so
+        the other ranks' gathers stay in step."""
         state = self.model.state_dict()
-        sent, failure, on_wire = 0, None, None
-        for names in buckets:
-            tensors = [full_tensor(state[n]).to(self.dtype) for n in names]
-            if group is None or failure is not None:
-                continue
-            try:
-                work, flat = weight_transfer.send_bucket(group, tensors)
-                if on_wire is not None:
-                    on_wire[0].wait()
-                on_wire, sent = (work, flat), sent + flat.numel()
-            except Exception as e:
-                failure = e
+        gathered = ([full_tensor(state[n]).to(self.dtype) for n in names] for names in buckets)
         try:
-            if on_wire is not None and failure is None:
-                on_wire[0].wait()
+            return weight_transfer.send_buckets(group, gathered) if group is not None else 0
         except Exception as e:
-            failure = e
-        if failure is not None:
-            raise RuntimeError(f"weight broadcast failed: {failure}")
-        return sent
+            raise RuntimeError(f"weight broadcast failed: {e}") from None
+        finally:
+            for _ in gathered:
+                pass
 
     def save_checkpoint(self, path: str) -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors on rank 0 only

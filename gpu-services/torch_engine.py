@@ -43,7 +43,7 @@ import fast_forward
 from common import check_generate_ids, load_causal_lm, moe_routers, read_safetensors
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
 from vision import check_placeholders, image_token_id, load_image, store_image, vision_inputs
-from weight_transfer import Membership, recv_bucket_into
+from weight_transfer import Membership, receive_buckets
 
 UNIFORMS = 64
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
@@ -260,8 +260,8 @@ class TorchEngine:
         group = self._membership.group_for(req)
         try:
             with self._model_lock:
-                for bucket in req.buckets:
-                    recv_bucket_into(group, bucket, self._state)
+                for name, t in receive_buckets(group, req.buckets, self.device, into=self._state):
+                    self._state[name].copy_(t)
                 self._set_version(req.version)
         except Exception:
             self._membership.leave()

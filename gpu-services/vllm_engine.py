@@ -44,7 +44,7 @@ from safetensors import safe_open
 from common import check_generate_ids, check_model_dir
 from contract import GenerateRequest, ImageRequest, NotInGroup, WeightReceiveRequest
 from vision import check_placeholders, load_image, placeholders, store_image, vision_token_ids
-from weight_transfer import Membership, recv_bucket
+from weight_transfer import Membership, receive_buckets
 
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None}
 
@@ -73,7 +73,7 @@ class MoltWorker:
         membership = self.__dict__.setdefault("molt_membership", Membership())  # kept across pushes
         group = membership.group_for(req)
         try:
-            self._load(named for bucket in req.buckets for named in recv_bucket(group, bucket, device))
+            self._load(receive_buckets(group, req.buckets, device))
         except Exception:
             membership.leave()
             raise

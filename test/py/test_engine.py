@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from conftest import GPU, PY, TOKEN, client, engine_server, free_port
 from common import load_causal_lm
 from contract import GenerateRequest, WeightReceiveRequest
-from weight_transfer import open_group, plan_buckets, send_bucket
+from weight_transfer import open_group, plan_buckets, send_buckets
 
 torch.set_num_threads(1)
 TOL = 1e-4  # fp32 on CPU
@@ -237,8 +237,7 @@ def push_weights(url, new_model, version: int, bucket_bytes: int = 64 * 1024) ->
     poster.start()
     _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
     tensors = dict(named)
-    for bucket in buckets:
-        send_bucket(group, [tensors[s.name] for s in bucket])[0].wait()
+    send_buckets(group, ([tensors[s.name] for s in bucket] for bucket in buckets))
     poster.join()
     assert reply["r"].status_code == 200, reply["r"].text
     return reply["r"].json()
@@ -392,8 +391,7 @@ def test_a_kept_group_takes_later_pushes_without_a_rendezvous(weights_engine, mo
             store.wait([f"ready/{seq}/1"])  # checked in, and now waits to be told to go
             store.set(f"go/{seq}", "1")
         tensors = dict(new.named_parameters(remove_duplicate=False))
-        for bucket in buckets:
-            send_bucket(group, [tensors[s.name] for s in bucket])[0].wait()
+        send_buckets(group, ([tensors[s.name] for s in bucket] for bucket in buckets))
         poster.join()
         assert reply["r"].status_code == 200 and reply["r"].json() == {"version": seq}, reply["r"].text
         out = generate(weights_engine, [4, 5, 6], max_tokens=8, temperature=0)

@@ -167,7 +167,7 @@ def test_weight_update_mid_request_versions_and_recomputed_kv(engine, models):
 
 def test_receive_weights_over_gloo(engine, models):
     from safetensors.torch import load_file
-    from weight_transfer import open_group, plan_buckets, send_bucket
+    from weight_transfer import open_group, plan_buckets, send_buckets
     from contract import WeightReceiveRequest
     new = load_file(str(models[2] / "model.safetensors"))
     named = list(new.items())
@@ -179,8 +179,7 @@ def test_receive_weights_over_gloo(engine, models):
     t = threading.Thread(target=lambda: answer.update(r=engine.post("/weights/receive", json=req.model_dump())))
     t.start()
     _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
-    for bucket in buckets:
-        send_bucket(group, [new[s.name] for s in bucket])[0].wait()
+    send_buckets(group, ([new[s.name] for s in bucket] for bucket in buckets))
     t.join(timeout=120)
     assert answer["r"].status_code == 200 and answer["r"].json()["version"] == 2
     out = generate(engine, PROMPT, max_tokens=8, seed=2)
