@@ -126,6 +126,8 @@ def _in_flight(posted: Iterator[tuple[dist.Work, torch.Tensor, T]]) -> Iterator[
         while len(pending) > 1 and size > IN_FLIGHT_BYTES:
             work, flat, payload = pending.popleft()
             work.wait()
+            if flat.is_cuda:  # NCCL's wait only orders the streams: block, or every bucket's buffer is allocated at once
+                torch.cuda.current_stream(flat.device).synchronize()
             size -= flat.numel()
             yield payload
     for work, _, payload in pending:
