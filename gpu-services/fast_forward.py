@@ -1,11 +1,12 @@
-"""The torch engine's forward for dense Qwen3-family text models, and the KV cache layer it (and HF's forward) writes.
+"""The torch engine's forward for dense Qwen3-family text models.
 
 Why not the model's own forward? At the sizes the engine serves on CPU it is not the arithmetic that costs:
 - the tiny model's decode step spent ~3/4 of its time in Python (module calls, mask building, kwargs plumbing);
-- DynamicLayer copies the whole KV cache every step (torch.cat: 17% of a 33.7M decode step);
 - a left-padded prefill runs every linear layer over the padding too (a third of the work for prompts of 8-24 ids).
 This forward calls the model's own norm and MLP modules and its weights (so a weight swap needs nothing here, and the
-arithmetic is HF's, op for op), runs the linear layers over real tokens only, and writes the cache in place. Anything
+arithmetic is HF's, op for op) and runs the linear layers over real tokens only. (A cache written in place into
+buffers with spare columns instead of DynamicLayer's torch.cat of the whole cache per step gained nothing: SDPA
+copies a key/value view that is not contiguous, at the cost of the cat: measured, then removed.) Anything
 else (MoE routers, vision towers, sliding windows) keeps the model's forward: `supports` says which.
 """
 from typing import Optional
@@ -13,49 +14,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
-
-SPARE = 32  # cache columns allocated ahead: one copy of the cache per SPARE decode steps instead of one per step
-
-
-class GrowingLayer(DynamicLayer):
-    """A cache layer whose keys/values [B, heads, L, head_dim] are views of buffers with spare columns, so a step
-    writes its new columns in place. `set` replaces the contents (batch rows merged or dropped)."""
-
-    def __init__(self):
-        super().__init__()
-        self._kbuf = self._vbuf = None
-
-    def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values, self._kbuf, self._vbuf = keys, values, None, None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.is_initialized, self.device = True, key_states.device
-            self.set(key_states[:, :, :0], value_states[:, :, :0])
-        L, n = self.keys.shape[2], key_states.shape[2]
-        if self._kbuf is None or self._kbuf.shape[2] < L + n:
-            self._kbuf = F.pad(self.keys, (0, 0, 0, n + SPARE))  # [B, heads, L + n + SPARE, head_dim]
-            self._vbuf = F.pad(self.values, (0, 0, 0, n + SPARE))
-        self._kbuf[:, :, L:L + n] = key_states
-        self._vbuf[:, :, L:L + n] = value_states
-        self.keys, self.values = self._kbuf[:, :, :L + n], self._vbuf[:, :, :L + n]
-        return self.keys, self.values
-
-
-def set_kv(layer: DynamicLayer, keys: torch.Tensor, values: torch.Tensor) -> None:
-    if isinstance(layer, GrowingLayer):
-        layer.set(keys, values)
-    else:
-        layer.keys, layer.values = keys, values
-
-
-def new_cache(config) -> DynamicCache:
-    """A DynamicCache of GrowingLayers (where every layer is plain full attention; else HF's own layers)."""
-    cache = DynamicCache(config=config)
-    if all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [GrowingLayer() for _ in cache.layers]
-    return cache
 
 
 def supports(model) -> bool:
@@ -104,7 +62,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, cache: DynamicCache,
             attn_mask: torch.Tensor) -> torch.Tensor:
     """Logits [B, V] at the last position of each row. input_ids/positions/real [B, T] (real: bool, False = left
-    padding, which no linear layer sees); cache: this batch's (new_cache), its T new columns are written; attn_mask
+    padding, which no linear layer sees); cache: this batch's DynamicCache, its T new columns are appended; attn_mask
     [B, 1, T, cached + T] bool, True = may attend."""
     B, T = input_ids.shape
     inner = model.model

@@ -398,7 +398,7 @@ class TorchEngine:
                     attention_mask=mask)
                 for s, delta in zip(admitted, deltas[:, 0].tolist()):
                     s.rope_delta = delta
-            cache = fast_forward.new_cache(self.model.config.get_text_config())
+            cache = DynamicCache(config=self.model.config.get_text_config())
             self._picked.clear()
             if self._fast:  # causal, over real keys (a padding query sees itself: a row of no keys would be NaN)
                 causal = torch.ones(L, L, dtype=torch.bool, device=self.device).tril()  # [L, L]
@@ -464,8 +464,8 @@ class TorchEngine:
         L = max(self._mask.shape[1], mask.shape[1])
         pad = lambda t, dim: F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (L - t.shape[dim], 0))  # left-pad along dim
         for old, new in zip(self._cache.layers, cache.layers):
-            fast_forward.set_kv(old, torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0),
-                                torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0))
+            old.keys = torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0)
+            old.values = torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0)
         self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)], dim=0)
         self._running += seqs
 
@@ -486,4 +486,5 @@ class TorchEngine:
         first = int(mask.any(dim=0).nonzero()[0])  # leading columns that are padding in every row
         self._mask = mask[:, first:]
         for layer in self._cache.layers:
-            fast_forward.set_kv(layer, layer.keys[rows, :, first:], layer.values[rows, :, first:])
+            layer.keys = layer.keys[rows, :, first:]
+            layer.values = layer.values[rows, :, first:]

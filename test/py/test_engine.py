@@ -159,6 +159,7 @@ def test_fast_forward_matches_the_models_forward(model):
     steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does)."""
     import copy
     import fast_forward
+    from transformers import DynamicCache
     assert fast_forward.supports(model)
     fast = copy.deepcopy(model)
     fast_forward.fuse(fast)
@@ -171,7 +172,7 @@ def test_fast_forward_matches_the_models_forward(model):
         ids = torch.tensor([[0] * (L - n) + s[:n] for s, n in zip(seqs, lens)])  # [B, L], left-padded
         mask = torch.tensor([[0] * (L - n) + [1] * n for n in lens])
         allowed = torch.ones(L, L, dtype=torch.bool).tril() & (mask.bool()[:, None, :] | torch.eye(L, dtype=torch.bool))
-        cache = fast_forward.new_cache(fast.config)
+        cache = DynamicCache(config=fast.config)
         steps = [fast_forward.forward(fast, ids, (mask.cumsum(1) - 1).clamp(min=0), mask.bool(), cache, allowed[:, None])]
         for t in range(4):
             mask = torch.cat([mask, torch.ones(len(lens), 1, dtype=mask.dtype)], 1)
