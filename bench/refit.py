@@ -6,7 +6,9 @@ gloo broadcast of the same bytes between two processes on a group that is alread
 - raw: the same bytes broadcast with ProcessGroupGloo to a process that receives them into buffers it keeps, in
   the actor's buckets packed beforehand and in one message; the faster is the baseline: moving the bytes, nothing else.
 
-Repeats alternate raw and refit (the machine is shared: a slow spell hits both); medians are reported.
+Repeats alternate raw and refit (the machine is shared: a slow spell hits both); medians are reported. Beside the
+seconds, the CPU seconds (all threads) of the processes at each end: on a machine whose cores are all busy, what a
+refit costs the others, and a figure that moves less with the load than the wall clock.
 
     python bench/refit.py [--model DIR ...] [--repeats 7] [--threads 1] [--out refit.json]
 
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import torch
 
 GPU_SERVICES = Path(__file__).resolve().parents[1] / "gpu-services"
@@ -44,12 +47,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_seconds(*pids: int) -> float:
+    """User + system CPU seconds of these processes (this one: alone) and their children, all threads."""
+    procs = [q for pid in pids for q in [psutil.Process(pid), *(psutil.Process(pid).children(recursive=True)
+                                                                 if pid != os.getpid() else [])]]
+    return sum(q.cpu_times().user + q.cpu_times().system for q in procs)
+
+
 @contextlib.contextmanager
 def service(cmd: list[str], port: int, threads: int, log: Path):
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     http = httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=600)
+    http.pid = proc.pid
     try:
         for _ in range(1200):
             if proc.poll() is not None:
@@ -111,19 +122,26 @@ def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path) -> dict:
         receiver.start()
         _, group = open_group("127.0.0.1", server.getsockname()[1], 2, 0, "gloo", server=server)
         raws: dict[str, list[float]] = {w: [] for w in ways}
-        refits = []
+        refits, cpu = [], {"raw": {w: [] for w in ways}, "refit": []}
         for i in range(repeats + 1):  # the first round warms up
             for w, messages in ways.items():
+                c = cpu_seconds(os.getpid(), receiver.pid)
                 raws[w].append(raw(messages))
+                cpu["raw"][w].append(cpu_seconds(os.getpid(), receiver.pid) - c)
+            c = cpu_seconds(actor.pid, engine.pid)
             refits.append(refit_seconds(actor, engine, 2 + i))
+            cpu["refit"].append(cpu_seconds(actor.pid, engine.pid) - c)
         receiver.join()
     medians = {w: statistics.median(x[1:]) for w, x in raws.items()}
     baseline = min(medians, key=medians.get)
     refit_s = statistics.median(refits[1:])
+    # means: the counters tick in hundredths of a second, a median of a few would be one of those steps
+    cpu_raw, cpu_refit = statistics.mean(cpu["raw"][baseline][1:]), statistics.mean(cpu["refit"][1:])
     return {"model": model_dir, "bytes": sum(m.numel() for m in ways["buckets"]), "buckets": len(ways["buckets"]),
             "first_refit": first, "raw": raws, "refit": refits, "raw_medians": medians, "baseline": baseline,
             "raw_median": medians[baseline], "refit_median": refit_s, "ratio": refit_s / medians[baseline],
-            "ratio_of_pairs": statistics.median(b / a for a, b in zip(raws[baseline][1:], refits[1:]))}
+            "ratio_of_pairs": statistics.median(b / a for a, b in zip(raws[baseline][1:], refits[1:])),
+            "cpu": cpu, "cpu_raw": cpu_raw, "cpu_refit": cpu_refit, "cpu_ratio": cpu_refit / cpu_raw}
 
 
 def main() -> None:
@@ -142,11 +160,13 @@ def main() -> None:
     print(f"refit (pause + /push_weights + resume) vs raw gloo broadcast of the same bytes on a ready group; "
           f"medians of {a.repeats} alternating repeats\n")
     print("| model | MB | buckets | first refit (s) | refit (s) | raw (s), buckets / one message | ratio | "
-          "median of pair ratios |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "median of pair ratios | CPU s: refit / raw | CPU ratio |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+          "---: | ---: |")
     for r in rows:
         raw = " / ".join(f"{r['raw_medians'][w]:.4f}" for w in ("buckets", "one message"))
         print(f"| {Path(r['model']).name} | {r['bytes'] / 1e6:.2f} | {r['buckets']} | {r['first_refit']:.4f} | "
-              f"{r['refit_median']:.4f} | {raw} | {r['ratio']:.2f} | {r['ratio_of_pairs']:.2f} |")
+              f"{r['refit_median']:.4f} | {raw} | {r['ratio']:.2f} | {r['ratio_of_pairs']:.2f} | "
+              f"{r['cpu_refit']:.3f} / {r['cpu_raw']:.3f} | {r['cpu_ratio']:.2f} |")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))
 
