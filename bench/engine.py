@@ -31,7 +31,7 @@ import torch
 GPU_SERVICES = Path(__file__).resolve().parents[1] / "gpu-services"
 sys.path.insert(0, str(GPU_SERVICES))
 from common import load_causal_lm  # noqa: E402
-from refit import bench_model as bench_refit  # noqa: E402
+from refit import bench_model as bench_refit, cpu_seconds  # noqa: E402
 
 NEW_TOKENS = 32
 TOKEN = "bench"
@@ -59,12 +59,6 @@ def start_engine(model: str, threads: int, services: Path = GPU_SERVICES) -> tup
         except httpx.HTTPError:
             time.sleep(0.2)
     sys.exit("engine did not become healthy")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine_tokens_per_s(url: str, prompts: list[list[int]], pid: int) -> tuple[float, float]:
@@ -182,7 +176,8 @@ def main() -> None:
             r = bench_refit(model_dir, a.repeats if a.repeats > 1 else 3, a.threads, Path(tmp.name))
             rows.append({"what": f"{name}: refit {r['bytes'] / 1e6:.2f} MB (s): pause + actor /push_weights + resume vs "
                                  f"raw gloo broadcast of the same bytes on a ready group (bench/refit.py)",
-                         "engine": r["refit_median"], "baseline": r["raw_median"], "ratio": r["ratio"]})
+                         "engine": r["refit_median"], "baseline": r["raw_median"], "ratio": r["ratio"],
+                         **({"cpu_ratio": r["cpu_ratio"]} if r["cpu_ratio"] else {})})
     print(f"models {models}, torch threads {a.threads}, baselines: transformers model.generate / raw gloo broadcast; "
           f"medians of {a.repeats}\n")
     print("ratio per CPU-s: tokens per CPU-second of the engine process / of model.generate\n")

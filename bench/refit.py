@@ -141,7 +141,7 @@ def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path) -> dict:
             "first_refit": first, "raw": raws, "refit": refits, "raw_medians": medians, "baseline": baseline,
             "raw_median": medians[baseline], "refit_median": refit_s, "ratio": refit_s / medians[baseline],
             "ratio_of_pairs": statistics.median(b / a for a, b in zip(raws[baseline][1:], refits[1:])),
-            "cpu": cpu, "cpu_raw": cpu_raw, "cpu_refit": cpu_refit, "cpu_ratio": cpu_refit / cpu_raw}
+            "cpu": cpu, "cpu_raw": cpu_raw, "cpu_refit": cpu_refit, "cpu_ratio": cpu_refit / cpu_raw if cpu_raw else None}  # None: under the counters' tick
 
 
 def main() -> None:
@@ -166,7 +166,7 @@ def main() -> None:
         raw = " / ".join(f"{r['raw_medians'][w]:.4f}" for w in ("buckets", "one message"))
         print(f"| {Path(r['model']).name} | {r['bytes'] / 1e6:.2f} | {r['buckets']} | {r['first_refit']:.4f} | "
               f"{r['refit_median']:.4f} | {raw} | {r['ratio']:.2f} | {r['ratio_of_pairs']:.2f} | "
-              f"{r['cpu_refit']:.3f} / {r['cpu_raw']:.3f} | {r['cpu_ratio']:.2f} |")
+              f"{r['cpu_refit']:.3f} / {r['cpu_raw']:.3f} | {'n/a' if r['cpu_ratio'] is None else round(r['cpu_ratio'], 2)} |")
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=2))
 
