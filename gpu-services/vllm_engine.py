@@ -88,11 +88,10 @@ class MoltWorker:
         self._load(tensors())
 
 
-def hf_weight_shapes(model_dir: str) -> dict[str, list[int]]:
+def hf_weight_shapes(config) -> dict[str, list[int]]:
     """name -> shape of every tensor in the HF model's state dict (tied weights under both names), from a
-    model built on the meta device: what the actor sends and what a checkpoint may hold."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-    config = AutoConfig.from_pretrained(model_dir)
+    model built on the meta device: what the actor sends and what a checkpoint may hold. config: its HF config."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     with torch.device("meta"):
         model = (AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM).from_config(config)
     return {name: list(t.shape) for name, t in model.state_dict().items()}
@@ -127,9 +126,9 @@ class VllmEngine:
         check_model_dir(model_dir)
         self.name = name or Path(model_dir).resolve().name
         self.keep_stale_kv = keep_stale_kv
-        self.shapes = hf_weight_shapes(model_dir)
         from transformers import AutoConfig
         self.hf = SimpleNamespace(config=AutoConfig.from_pretrained(model_dir))  # what vision.py's checks read
+        self.shapes = hf_weight_shapes(self.hf.config)
         self.vlm = hasattr(self.hf.config, "vision_config")
         # the policy never samples vision tokens: -1e4 on their logits, as load_causal_lm does for the torch engine
         self.banned = {t: -1e4 for t in vision_token_ids(self.hf.config)}
