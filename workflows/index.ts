@@ -1,3 +1,4 @@
 // The workflows the molt-control worker runs.
 export { trainRun } from './train-run';
 export { sftRun } from './sft-run';
+export { rolloutShard } from './rollout-pool';

@@ -5,7 +5,8 @@
 // Durable state is this workflow's own: the pool (groups in flight, results ready, next group
 // index), the step, and the metrics. A prompt group is one `rolloutGroup` activity of this run
 // (not a child workflow: a child costs ~4x the history events and workflow tasks of an activity,
-// which made orchestration the bottleneck of a small step; bench/ item 1). An activity cannot
+// which made orchestration the bottleneck of a small step; bench/ item 1); past 256 groups in flight
+// the pool hands the rest to rollout shards (rollout-pool.ts). An activity cannot
 // outlive its run, so before continue-as-new the run drains: it stops starting groups, trains the
 // batches that still form, and continues as new once no group is in flight, carrying the results
 // not yet trained. That happens once per ~10,000 history events (~100 steps of the embedded recipe).
@@ -20,12 +21,14 @@ import {
   addEngineUpdate, applySettings, checkEngineUrl, checkpointUpdate, currentSettings, drainEngineUpdate, enginesQuery, pauseUpdate,
   resumeUpdate, setUpdate, validateSettings, type ControlState, type EngineChange, type LiveSetting,
 } from './control';
+import {
+  DRAIN_EVENTS_PER_GROUP, DRAIN_EVENTS_PER_SHARD, GROUPS_PER_WORKFLOW, HISTORY_BYTES, HISTORY_EVENTS, rolloutPool, TASK_QUEUES,
+} from './rollout-pool';
 import { evalMetrics, stepMetrics } from './step-metrics';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, stepDetails } from './visibility';
 
-export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
+export { groupActivityId, TASK_QUEUES } from './rollout-pool';
 export const runWorkflowId = (runId: string) => `molt-${runId}`;
-export const groupActivityId = (groupIndex: number) => `group-${groupIndex}`;
 
 export const progressQuery = defineQuery<Progress>('progress');
 
@@ -70,14 +73,6 @@ export interface Carried {
   engines?: string[]; // the engines serving the run (engines add|drain); unset: the workers' own, until the claim
 }
 const SAMPLES_PER_STEP = 4; // decoded episodes of each step's batch in <store>/<runId>/samples.jsonl
-// When to continue as new. Not at the server's suggestion (4,096 events or 4 MB here): a step of the
-// embedded recipe fills ~90 events and ~48 KB of history (16 groups x 3 activity events, ~10 workflow
-// tasks, trainStep, refit, recordMetrics), so that came every ~45 steps, each time draining the pool.
-// Instead, below Temporal's warning limits (10,240 events, 10 MB; the hard limits are 51,200 and 50 MB),
-// with room for the drain: each group in flight adds its activity's events and a workflow task.
-const HISTORY_EVENTS = 10_000;
-const HISTORY_BYTES = 8 << 20;
-const DRAIN_EVENTS_PER_GROUP = 5;
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {
@@ -86,6 +81,8 @@ export interface TrainRunInput {
   config: RecipeConfig;
   carried?: Carried;
   continueAsNewAfterSteps?: number; // test hook: continue as new after this many steps in one run
+  groupsPerWorkflow?: number; // test hook: groups in flight per workflow before the pool shards (default GROUPS_PER_WORKFLOW)
+  shardHistoryEvents?: number; // test hook: a rollout shard continues as new at this many events
   resumed?: boolean; // set by `molt-client resume` for a run an earlier stack left (see resumePoint)
   stopGraceSeconds?: number; // how long a cancelled run's actor work may take (default STOP_GRACE_SECONDS)
   // `schedule create --continue-from-schedule`: each firing starts from the latest checkpoint of the
@@ -109,18 +106,6 @@ export interface TrainRunSummary {
   lastMetrics: Record<string, number>;
   dropped: Dropped;
 }
-
-// One prompt group: G episodes of the recipe's agent. A lost worker shows as a missed heartbeat;
-// the retry resumes from the heartbeated manifest. Agent errors are counted per episode inside the
-// activity, so an activity failure is infrastructure: retry it until it works, unless it says it
-// never will (non-retryable).
-const FATAL_GROUP_FAILURES = ['FailureBudgetExceeded', 'AgentModuleError']; // these stop the run
-const { rolloutGroup } = proxyActivities<Activities>({
-  taskQueue: TASK_QUEUES.rollout,
-  startToCloseTimeout: '2 hours',
-  heartbeatTimeout: '60 seconds',
-  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
-});
 
 // trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
 // activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
@@ -191,30 +176,22 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // The groups' activities run in their own scope, cancelled when the run ends (the rest of the
   // run is non-cancellable: see below).
   const groups = new CancellationScope({ cancellable: true });
-  async function runGroup(groupIndex: number): Promise<void> {
-    inflight.add(groupIndex);
-    const engines = run.engines;
-    if (engines) groupEngines.set(groupIndex, engines);
-    let result: GroupResult;
-    try {
-      result = await groups.run(() => rolloutGroup.executeWithOptions(
-        { activityId: groupActivityId(groupIndex), summary: `group ${groupIndex}: ${config.group_size} episodes` },
-        [{ runId, groupIndex, recipeDir, config, engines }]));
-    } catch (err) {
-      if (isCancellation(err)) return; // the run has ended
-      // A group that cannot run still frees its slot: it is dropped as empty. One whose agent
-      // failed more often than the recipe allows, or whose agent module does not load (every
-      // group would fail the same way, thousands a minute), also stops the run.
-      const cause = err instanceof ActivityFailure ? err.cause : err;
-      log.error('rollout group failed for good', { groupIndex, error: String(cause) });
-      const stopsRun = cause instanceof ApplicationFailure && FATAL_GROUP_FAILURES.includes(cause.type ?? '');
-      result = {
-        groupIndex, refs: [], rewards: [], failed: config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
-        ...(stopsRun ? { fatal: cause.message } : {}),
-      };
+  const pool = rolloutPool({
+    runId, recipeDir, config: () => config, perWorkflow: input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW, scope: groups,
+    shardHistoryEvents: input.shardHistoryEvents,
+    receive, fail: (message) => { fatal ??= message; state = 'stopping'; },
+  });
+  function startGroups(n: number): void {
+    const starts = Array.from({ length: n }, () => ({ groupIndex: run.nextGroupIndex++, engines: run.engines }));
+    for (const g of starts) {
+      inflight.add(g.groupIndex);
+      if (g.engines) groupEngines.set(g.groupIndex, g.engines);
     }
-    inflight.delete(groupIndex);
-    groupEngines.delete(groupIndex);
+    pool.start(starts);
+  }
+  function receive(result: GroupResult): void {
+    inflight.delete(result.groupIndex);
+    groupEngines.delete(result.groupIndex);
     if (result.fatal !== undefined) { fatal ??= result.fatal; state = 'stopping'; }
     run.ready.push(result);
     run.tokens += result.tokens;
@@ -311,8 +288,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       for (;;) {
         await condition(() => !filling || freeSlots() > 0);
         if (!filling) return;
-        // Start every free slot at once: one workflow task for all of them, not one each.
-        for (let n = freeSlots(); n > 0; n--) void runGroup(run.nextGroupIndex++);
+        startGroups(freeSlots()); // every free slot at once: one workflow task for all of them, not one each
       }
     })();
     const stopFilling = async () => { filling = false; await filler; };
@@ -378,11 +354,15 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
       stepsThisRun++;
       const history = workflowInfo();
-      const historyFull = history.historyLength + DRAIN_EVENTS_PER_GROUP * config.pool.inflight >= HISTORY_EVENTS
+      const perWorkflow = input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW; // see rollout-pool.ts
+      const drainEvents = DRAIN_EVENTS_PER_GROUP * Math.min(config.pool.inflight, perWorkflow)
+        + DRAIN_EVENTS_PER_SHARD * Math.ceil(Math.max(0, config.pool.inflight - perWorkflow) / perWorkflow);
+      const historyFull = history.historyLength + drainEvents >= HISTORY_EVENTS
         || history.historySize >= HISTORY_BYTES || stepsThisRun >= (input.continueAsNewAfterSteps ?? Infinity);
       if (historyFull && !draining) { draining = true; await stopFilling(); }
     }
     if (draining && state === 'running' && run.step < config.train.steps) { // drained: nothing in flight
+      await pool.close();
       await metricsWritten;
       await configWritten;
       await condition(allHandlersFinished);

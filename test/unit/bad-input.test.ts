@@ -50,8 +50,8 @@ test('a malformed rollout section of the recipe is named by its field', () => {
   expect(() => loadRecipe(dir, { 'rollout.max_failed_fraction': '2' })).toThrow(RecipeError);
   expect(() => loadRecipe(dir, { 'rollout.max_failed_fraction': '2' })).toThrow(/recipe config: rollout\.max_failed_fraction: .*1/);
   expect(() => loadRecipe(dir, { 'rollout.partial_tokens': '0' })).toThrow(/rollout\.partial_tokens/);
-  expect(() => loadRecipe(dir, { 'pool.inflight': '2001' })).toThrow(/pool\.inflight: at most 2000: each group in flight is a pending activity/);
-  expect(loadRecipe(dir, { 'pool.inflight': '2000' }).pool.inflight).toBe(2000);
+  expect(() => loadRecipe(dir, { 'pool.inflight': '10001' })).toThrow(/pool\.inflight: at most 10000: the pool is measured up to 10,000 groups in flight/);
+  expect(loadRecipe(dir, { 'pool.inflight': '10000' }).pool.inflight).toBe(10000);
   expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64, partial_seconds: 5 });
 });
 

@@ -127,11 +127,11 @@ test('pause, set, checkpoint and resume a running run; metrics.jsonl has one lin
     const notNumber = await cli('set', 'cli3', '--algo.lr', 'fast');
     expect([notNumber.code, notNumber.stderr.trim()]).toEqual([2, '--algo.lr: "fast" is not a number']);
     // Checked against the recipe's schema, by the CLI and by the workflow's update validator.
-    const tooMany = await cli('set', 'cli3', '--pool.inflight', '5000');
-    expect([tooMany.code, tooMany.stderr.trim()]).toEqual([2, 'run cli3: pool.inflight: 5000: at most 2000: ' +
-      'each group in flight is a pending activity of the run, and Temporal allows 2000 per workflow']);
-    const direct = await handle.executeUpdate(setUpdate, { args: [{ 'pool.inflight': 5000 }] }).catch((e) => e);
-    expect(direct.cause.message).toContain('pool.inflight: 5000: at most 2000');
+    const tooMany = await cli('set', 'cli3', '--pool.inflight', '20000');
+    expect([tooMany.code, tooMany.stderr.trim()]).toEqual([2, 'run cli3: pool.inflight: 20000: at most 10000: ' +
+      'the pool is measured up to 10,000 groups in flight']);
+    const direct = await handle.executeUpdate(setUpdate, { args: [{ 'pool.inflight': 20000 }] }).catch((e) => e);
+    expect(direct.cause.message).toContain('pool.inflight: 20000: at most 10000');
     const set = await cli('set', 'cli3', '--algo.lr', '3e-4');
     expect(set.stdout).toContain('algo.lr=0.0003');
     holdTraining = false;

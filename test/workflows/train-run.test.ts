@@ -8,7 +8,7 @@ import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { RecordMetricsInput } from '../../activities/metrics';
 import type { CheckpointInput, GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { RecipeConfig } from '../../agents/recipe';
-import { groupActivityId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';
+import { groupActivityId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type TrainRunInput } from '../../workflows/train-run';
 import { startTemporal, waitFor, withWorkers } from '../helpers/temporal';
 
 let env: TestWorkflowEnvironment;
@@ -109,7 +109,7 @@ const heldUntilStep = async (open: () => number, step: number) => {
   while (open() < step) await Context.current().sleep(20);
 };
 
-function start(runId: string, config: RecipeConfig, extra: { continueAsNewAfterSteps?: number } = {}) {
+function start(runId: string, config: RecipeConfig, extra: Partial<TrainRunInput> = {}) {
   return env.client.workflow.start(trainRun, {
     workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control,
     args: [{ runId, recipeDir: '/tmp/recipe', config, ...extra }],
@@ -303,15 +303,18 @@ test('a failed trainStep is retried with the same (runId, step); a failed group 
   });
 });
 
-test('cancel stops gracefully: the current step finishes, a checkpoint is taken, in-flight groups are cancelled', async () => {
-  const runId = 'cancel';
+test.each([
+  ['', undefined],
+  [', the shards\' groups too', 1], // one group per workflow: 4, 5 and 6 each in its own (the run's, and two shards)
+])('cancel stops gracefully: the current step finishes, a checkpoint is taken, in-flight groups are cancelled%s', async (_, groupsPerWorkflow) => {
+  const runId = `cancel${groupsPerWorkflow ?? ''}`;
   let stopRequested = false;
   const { s, activities } = fakeServices({
     hold: (g) => g >= 4, // groups 0-3 make the first two batches; 4, 5, 6 are in flight when the stop comes
     onTrainStep: async (input) => { if (input.step === 2) while (!stopRequested) await Context.current().sleep(20); },
   });
   await withWorkers(env, activities, async () => {
-    const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 50, every: 10 }));
+    const handle = await start(runId, makeConfig({ inflight: 3, groups: 2, steps: 50, every: 10 }), { groupsPerWorkflow });
     await waitFor('step 2 training', () => s.trainCalls.length === 2);
     await waitFor('pool full', () => s.running.size === 3);
     await handle.cancel();
@@ -329,16 +332,76 @@ test('cancel stops gracefully: the current step finishes, a checkpoint is taken,
   });
 });
 
-test('a group over the failure budget stops the run: the steps done are checkpointed, then the run fails naming the group', async () => {
+test.each([
+  ['', undefined],
+  [' (the group in a shard)', 1],
+])('a group over the failure budget stops the run: the steps done are checkpointed, then the run fails naming the group%s', async (_, groupsPerWorkflow) => {
   const { s, activities } = fakeServices({ overBudget: (g) => g === 5 });
   const config = makeConfig({ inflight: 2, groups: 2, steps: 100 });
+  const runId = `budget${groupsPerWorkflow ?? ''}`;
   await withWorkers(env, activities, async () => {
     const handle = await env.client.workflow.start(trainRun, {
-      workflowId: runWorkflowId('budget'), taskQueue: TASK_QUEUES.control, args: [{ runId: 'budget', recipeDir: '/r', config }],
+      workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: '/r', config, groupsPerWorkflow }],
     });
     const err = await handle.result().then(() => null, (e) => e);
-    expect(String(err?.cause?.message)).toMatch(/run budget failed after \d+ steps .*group 5: 2 of 2 episodes failed, over the failure budget/);
+    expect(String(err?.cause?.message)).toMatch(new RegExp(`run ${runId} failed after \\d+ steps .*group 5: 2 of 2 episodes failed, over the failure budget`));
     expect(s.trainCalls.length).toBeGreaterThan(0);
     expect(s.checkpoints.at(-1)).toBe(s.trainCalls.at(-1)!.input.step); // nothing trained is lost
   });
+});
+
+// Workflows of the run's rollout shards (rollout-pool.ts), every execution of each.
+async function shardExecutions(runId: string) {
+  const runs = [];
+  for await (const w of env.client.workflow.list({ query: `WorkflowType = 'rolloutShard'` })) {
+    if (w.workflowId.startsWith(`${runWorkflowId(runId)}-shard-`)) runs.push(w);
+  }
+  return runs;
+}
+
+test('past groupsPerWorkflow the pool shards: no workflow holds more groups, shards continue as new on their own, every group is trained once', async () => {
+  const runId = 'sharded';
+  // Groups take 0-59 ms, so they arrive out of index order and shards report in batches.
+  const { s, activities } = fakeServices({ rolloutMs: 0 });
+  const slow = activities.rolloutGroup;
+  activities.rolloutGroup = async (input) => { await Context.current().sleep((input.groupIndex * 37) % 60); return slow(input); };
+  await withWorkers(env, activities, async () => {
+    // 7 in flight, 2 per workflow: the run's own 2 and 3 shards; a shard's history is full after a few groups,
+    // and the run continues as new (closing its shards) every 3 steps.
+    const handle = await start(runId, makeConfig({ inflight: 7, groups: 3, steps: 9 }),
+      { groupsPerWorkflow: 2, shardHistoryEvents: 30, continueAsNewAfterSteps: 3 });
+    const groupsPending = (d: { raw: { pendingActivities?: { activityType?: { name?: string | null } | null }[] | null } }) =>
+      (d.raw.pendingActivities ?? []).filter((a) => a.activityType?.name === 'rolloutGroup').length;
+    let mostPending = 0;
+    let sampled = 0;
+    const sample = (async () => {
+      for (;;) {
+        const d = await handle.describe().catch(() => null);
+        if (d === null || d.status.name !== 'RUNNING' && d.status.name !== 'CONTINUED_AS_NEW') return;
+        const running = (await shardExecutions(runId)).filter((w) => w.status.name === 'RUNNING');
+        const pending = await Promise.all(running.map((w) => env.client.workflow.getHandle(w.workflowId).describe()
+          .then(groupsPending, () => 0)));
+        mostPending = Math.max(mostPending, groupsPending(d), ...pending);
+        sampled++;
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    })();
+    const summary = await handle.result();
+    await sample;
+    expect(summary).toMatchObject({ steps: 9, stopped: false });
+    expect(sampled).toBeGreaterThan(3);
+    expect(mostPending).toBeLessThanOrEqual(2);
+  });
+  const trained = stepBatches(s).flat();
+  expect(trained).toHaveLength(27);
+  expect(new Set(trained).size).toBe(27); // no group trained twice
+  const shards = await shardExecutions(runId);
+  const shardRuns = new Set(shards.map((w) => w.runId));
+  const ranInShards = s.log.filter((e) => e.event === 'start' && shardRuns.has(e.workflowRunId)).map((e) => e.group);
+  expect(ranInShards.filter((g) => trained.includes(g)).length).toBeGreaterThan(9); // most groups ran in shards
+  expect(new Set(shards.map((w) => w.workflowId)).size).toBeGreaterThanOrEqual(6); // 3 per execution of the run, 3 executions
+  expect(shards.length).toBeGreaterThan(new Set(shards.map((w) => w.workflowId)).size); // some continued as new
+  expect(shards.filter((w) => w.status.name === 'RUNNING')).toEqual([]); // all closed with the run
+  // Every group started once (attempt 1) and finished: none lost across a shard's or the run's continue-as-new.
+  expect([...s.attempts.values()].every((a) => a === 1)).toBe(true);
 });
