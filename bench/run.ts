@@ -4,7 +4,7 @@
 //      activities, the same pool and fresh identical stacks, at two workloads and several pool sizes;
 //   2. engine utilization and trained tokens/s: streaming pool vs synchronous generate-then-train;
 //   3. partial rollouts: tokens discarded at refit, pause mode keep vs abort (+ regenerate);
-//   4. orchestration scale: the real workflows with instant activities, 16..1024 groups in flight;
+//   4. orchestration scale: the real workflows with instant activities, 16..10,000 groups in flight;
 //   5. engine and refit: bench/engine.py.
 // Writes bench-out/report.md and bench-out/report.json.
 //
@@ -47,7 +47,7 @@ async function main() {
   const partialOptions: PartialOptions = smoke
     ? { requests: 4, maxTokens: 64, refits: 2, intervalMs: 50 }
     : { requests: 32, maxTokens: 384, refits: 4, intervalMs: 500 };
-  const scaleSizes = smoke ? [4, 8] : [16, 64, 256, 1024];
+  const scaleSizes = smoke ? [4, 8] : [16, 256, 1024, 4096, 10_000];
   fs.mkdirSync(OUT_DIR, { recursive: true });
 
   // The report is rewritten after each part, so a long run shows what it has so far.
@@ -113,7 +113,8 @@ async function main() {
   report.partial = await partialRollouts(loadRecipe(RECIPE_DIR), partialOptions);
   save();
   // Steps per size: enough groups for a steady state; a size still running after the budget is cut off.
-  report.scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 64 ? 6 : 4), smoke ? 60 : 75);
+  report.scale = await orchestrationScale(scaleSizes, (inflight) => (smoke ? 3 : inflight <= 16 ? 10 : inflight <= 256 ? 6 : 4),
+    (inflight) => (smoke ? 60 : Math.max(75, inflight / 40)));
   save();
   console.error('[bench] engine and refit: bench/engine.py');
   const engine = engineBench(smoke);
@@ -160,10 +161,11 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     ...report.partial.map((r) => `| ${r.mode} | ${r.refits} | ${r.usefulTokens} | ${r.discardedTokens} | ${r.regenerated} | ${r.maxVersionsInOne} | ${f(r.seconds, 2)} |`),
     ...(keep && abort ? ['', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`] : []),
     '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2', '',
+    'Past 256 groups in flight the pool runs the rest in rollout shards (child workflows of 256 groups each, workflows/rollout-pool.ts); the run\'s history counts its own events only.', '',
     'Trajectories/s over the steps after the first; a size cut off at its time budget is measured on the steps it did.', '',
-    '| groups in flight | steps done | finished | seconds | trajectories/s | steps/s | history events/step | events/group trained | worker CPU s/step | server CPU s/step | cores busy |',
-    '|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...report.scale.map((r) => `| ${r.inflight} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.eventsPerStep)} | ${f(r.eventsPerGroup, 1)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.coresBusy, 2)} |`),
+    '| groups in flight | rollout shards | steps done | finished | seconds | trajectories/s | steps/s | run history events/step | run events/group trained | worker CPU s/step | server CPU s/step | CPU ms/episode (server + worker) | cores busy |',
+    '|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...report.scale.map((r) => `| ${r.inflight} | ${r.shards} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.eventsPerStep)} | ${f(r.eventsPerGroup, 1)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.cpuMsPerEpisode, 2)} | ${f(r.coresBusy, 2)} |`),
     '', '## 5. Engine and refit (bench/engine.py)', '', report.engineMarkdown ?? '(not run yet)\n',
   ].join('\n');
 }

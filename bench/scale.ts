@@ -27,6 +27,8 @@ export interface ScaleRow {
   workerCpuPerStep: number; // CPU seconds of this process (workflow + activity worker) per step
   serverCpuPerStep: number; // CPU seconds of the Temporal dev server per step
   coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
+  cpuMsPerEpisode: number; // (worker + server CPU) / episodes trained, ms: the orchestration's cost of one episode
+  shards: number; // rollout shard workflows the run started (workflows/rollout-pool.ts), all executions
 }
 
 // Fields of /proc/<pid>/stat after "(comm)", from field 3 (state) on; comm itself beside them.
@@ -97,7 +99,7 @@ function instantActivities(stepTimes: number[]): Activities {
   };
 }
 
-export async function orchestrationScale(sizes: number[], steps: (inflight: number) => number, budgetSeconds: number): Promise<ScaleRow[]> {
+export async function orchestrationScale(sizes: number[], steps: (inflight: number) => number, budgetSeconds: (inflight: number) => number): Promise<ScaleRow[]> {
   Runtime.install({ logger: new DefaultLogger('WARN') }); // the workers' state changes would drown the bench's own lines
   const env = await TestWorkflowEnvironment.createLocal({ server: { executable: { type: 'existing-path', path: path.join(REPO_ROOT, '.venv', 'bin', 'temporal') } } });
   const server = serverPid();
@@ -126,7 +128,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       const started = performance.now();
       const handle = await client.workflow.start(trainRun, { workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }] });
       // A size that has not finished within the budget is cut off there and measured on the steps it did.
-      const finished = await Promise.race([handle.result().then(() => true), new Promise<false>((r) => setTimeout(() => r(false), budgetSeconds * 1000))]);
+      const finished = await Promise.race([handle.result().then(() => true), new Promise<false>((r) => setTimeout(() => r(false), budgetSeconds(inflight) * 1000))]);
       if (!finished) await handle.terminate('orchestration scale bench: time budget spent');
       const runSeconds = (performance.now() - started) / 1000; // the CPU figures cover the whole run
       const cpu = process.cpuUsage(cpu0.worker);
@@ -138,6 +140,11 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
       const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
         .reduce((a, h) => a + (h.events?.length ?? 0), 0);
+      const shards = new Set<string>();
+      for await (const w of client.workflow.list({ query: `WorkflowType = 'rolloutShard'` })) {
+        if (w.workflowId.startsWith(`${runWorkflowId(runId)}-shard-`)) shards.add(w.workflowId);
+      }
+      const episodes = Math.max(done, 1) * batchGroups * config.group_size;
       rows.push({
         inflight, batchGroups, steps: Math.max(done, 0), seconds: runSeconds, finished,
         // null when fewer than 2 steps were done within the budget: no steady state to measure
@@ -145,6 +152,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
         stepsPerSecond: done >= 2 ? (done - 1) / wall : null,
         eventsPerStep: runEvents / Math.max(done, 1), eventsPerGroup: runEvents / Math.max(done, 1) / batchGroups,
         workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
+        cpuMsPerEpisode: ((workerCpu + serverCpu) * 1000) / episodes, shards: shards.size,
       });
     }
   } finally {

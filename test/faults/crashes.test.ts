@@ -214,7 +214,8 @@ const diskFull: Fault = async (runId) => {
 };
 
 // One run with one fault; then checks and figures.
-async function runWithFault(name: string, fault: Fault, runConfig = config, recipeDir = RECIPE_DIR) {
+// `groupsPerWorkflow`: the pool's bound per workflow (workflows/rollout-pool.ts); 1 puts 3 of the 4 groups in shards.
+async function runWithFault(name: string, fault: Fault, runConfig = config, recipeDir = RECIPE_DIR, groupsPerWorkflow?: number) {
   const runId = `fault-${name}-${SEED}`;
   // Every run starts on a fresh actor (an actor refuses a second run's step 1 on top of another run).
   await stack.restart('actor', 'SIGTERM');
@@ -223,7 +224,7 @@ async function runWithFault(name: string, fault: Fault, runConfig = config, reci
   const delayMs = Math.floor(rand() * 1000);
   const started = Date.now();
   const handle = await client.workflow.start(trainRun, {
-    workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir, config: runConfig }],
+    workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir, config: runConfig, groupsPerWorkflow }],
   });
   while ((await actorStep(runId)) < killAfterStep) await sleep(100);
   await sleep(delayMs);
@@ -277,6 +278,18 @@ async function expectDurable(runId: string, summary: TrainRunSummary): Promise<v
 test.each(['actor', 'engine-1', 'rollout', 'control', 'temporal'])('kill -9 %s mid-run: every step once, no trajectory lost or duplicated', async (victim) => {
   const { runId, summary } = await runWithFault(victim, kill(victim));
   await expectDurable(runId, summary);
+}, 600_000);
+
+// The pool sharded (issue 20 item 4): groups in rollout shards resume when the worker running their activity, or the
+// one running the shards' workflow tasks, is killed.
+test.each(['rollout', 'control'])('kill -9 %s mid-run with a sharded pool: every step once, no trajectory lost or duplicated', async (victim) => {
+  const { runId, summary } = await runWithFault(`${victim}-sharded`, kill(victim), config, RECIPE_DIR, 1);
+  await expectDurable(runId, summary);
+  const shards = [];
+  for await (const w of client.workflow.list({ query: `WorkflowType = 'rolloutShard'` })) {
+    if (w.workflowId.startsWith(`${runWorkflowId(runId)}-shard-`)) shards.push(w.workflowId);
+  }
+  expect(new Set(shards).size).toBeGreaterThanOrEqual(3); // 3 shards per execution of the run
 }, 600_000);
 
 // A judge engine (one of two) or the teacher (the only one) killed mid-episode: every step once, nothing lost or
