@@ -77,6 +77,7 @@ async function main() {
         addedMsPerStep: ((temporalSeconds - plainSeconds) * 1000) / n, ratio: temporalSeconds / plainSeconds,
         ratios: temporals.map((t, k) => t.seconds / plains[k].seconds),
         serverCpuPerStep: median(temporals.map((t) => t.cpu!.server)) / n, controlWorkerCpuPerStep: median(temporals.map((t) => t.cpu!.controlWorker)) / n,
+        batchGroups: config(pool).batch.groups,
       });
       save();
       if (i > 0) continue;
@@ -126,7 +127,7 @@ async function main() {
 interface Report {
   orchestration: {
     workload: string; inflight: number; steps: number; runs: number; plainMsPerStep: number; temporalMsPerStep: number; addedMsPerStep: number; ratio: number;
-    ratios: number[]; serverCpuPerStep: number; controlWorkerCpuPerStep: number;
+    ratios: number[]; serverCpuPerStep: number; controlWorkerCpuPerStep: number; batchGroups: number;
   }[];
   drain: { workload: string; inflight: number; steps: number; every: number; continueAsNew: number; msPerStep: number; withoutMsPerStep: number; addedMsPerContinueAsNew: number } | null;
   utilization: {
@@ -146,9 +147,9 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     '# Molt benchmarks', '',
     '## 1. Orchestration overhead: Temporal loop vs plain in-process loop (same activities, same pool, fresh stacks)', '',
     'Plain and Temporal runs alternate; the figures are medians over the runs. CPU: seconds burnt per step, while the Temporal loop ran, by the Temporal dev server and by the worker running the loop\'s workflow tasks (they share the 2 cores with the engines and the actor).', '',
-    '| workload | groups in flight | steps | runs | plain ms/step | Temporal ms/step | added ms/step | ratio | ratio of each run | server CPU s/step | control worker CPU s/step |',
-    '|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|',
-    ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${r.runs} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} | ${r.ratios.map((x) => f(x, 2)).join(', ')} | ${f(r.serverCpuPerStep, 3)} | ${f(r.controlWorkerCpuPerStep, 3)} |`),
+    '| workload | groups in flight | steps | runs | plain ms/step | Temporal ms/step | added ms/step | ratio | ratio of each run | server CPU s/step | control worker CPU s/step | per group trained: server + worker CPU ms |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|',
+    ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${r.runs} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} | ${r.ratios.map((x) => f(x, 2)).join(', ')} | ${f(r.serverCpuPerStep, 3)} | ${f(r.controlWorkerCpuPerStep, 3)} | ${f((r.serverCpuPerStep * 1000) / r.batchGroups, 1)} + ${f((r.controlWorkerCpuPerStep * 1000) / r.batchGroups, 1)} |`),
     ...(report.drain ? ['', `Continue-as-new drains the pool first (${report.drain.workload}, ${report.drain.inflight} in flight): with continue-as-new every ${report.drain.every} steps (${report.drain.continueAsNew} in ${report.drain.steps} steps) ${f(report.drain.msPerStep)} ms/step against ${f(report.drain.withoutMsPerStep)} without, ${f(report.drain.addedMsPerContinueAsNew)} ms per continue-as-new. A real run continues as new when Temporal suggests it: every few thousand history events.`] : []),
     '', '## 2. Engine utilization: streaming pool vs synchronous (generate, then train, then generate), plain loops, same config', '',
     'Engines pinned to CPU 0 and the actor to CPU 1 in both (on a cluster each has its own GPU). Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side).', '',

@@ -154,12 +154,19 @@ export async function rolloutShard(input: ShardInput): Promise<void> {
   setHandler(closeShardSignal, () => { closing = true; });
   const run = getExternalWorkflowHandle(input.runWorkflowId);
   let reporting = false;
+  let orphaned = false; // the run is gone (terminated): nobody wants the results
   const reporter = (async () => {
     for (;;) {
       await condition(() => done.length > 0 || (closing && inflight === 0));
       if (done.length === 0) return;
       reporting = true;
-      await run.signal(groupsDoneSignal, done.splice(0, RESULTS_PER_SIGNAL));
+      try {
+        await run.signal(groupsDoneSignal, done.splice(0, RESULTS_PER_SIGNAL));
+      } catch (err) { // the only way a signal fails: its target is not running
+        log.warn('the run is gone: the rollout shard stops', { run: input.runWorkflowId, error: String(err) });
+        orphaned = true;
+        return;
+      }
       reporting = false;
     }
   })();
@@ -168,7 +175,8 @@ export async function rolloutShard(input: ShardInput): Promise<void> {
     return info.historyLength + DRAIN_EVENTS_PER_GROUP * perWorkflow >= (input.historyEvents ?? HISTORY_EVENTS) || info.historySize >= HISTORY_BYTES;
   };
   for (;;) {
-    await condition(() => (queued.length > 0 && !historyFull()) || (inflight === 0 && (closing || historyFull())));
+    await condition(() => orphaned || (queued.length > 0 && !historyFull()) || (inflight === 0 && (closing || historyFull())));
+    if (orphaned) return;
     if (queued.length > 0 && !historyFull()) {
       for (const g of queued.splice(0)) {
         inflight++;

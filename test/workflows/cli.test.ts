@@ -159,7 +159,7 @@ test('--help on the program and on commands; start --help lists every recipe key
   const start = await cli('start', '--help');
   expect(start.code).toBe(0);
   expect(start.stdout).toContain('--print-config');
-  expect(start.stdout).toMatch(/--pool\.inflight +integer > 0 <= 2000; required/);
+  expect(start.stdout).toMatch(/--pool\.inflight +integer > 0 <= 10000; required/);
   expect(start.stdout).toMatch(/--algo\.lr +number > 0; default 0\.000001/);
   expect(start.stdout).toMatch(/--staleness_mode +mask\|drop; default "mask"/);
   expect(start.stdout).toMatch(/--agent +string; required; agent module path, relative to the recipe folder/);
