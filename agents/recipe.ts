@@ -3,7 +3,7 @@
 import { existsSync, readdirSync, readFileSync, statSync } from 'node:fs';
 import * as path from 'node:path';
 import { z } from 'zod';
-import { LIVE_SETTINGS } from './live-settings';
+import { LIVE_SETTINGS, stepTooLarge } from './live-settings';
 
 const sampling = z.strictObject({
   max_tokens: z.number().int().positive().describe('tokens sampled per turn at most'),
@@ -171,6 +171,8 @@ export const RecipeConfig = z.strictObject({
   }).default({ keep_steps: 10, keep_checkpoints: null }),
   env: z.record(z.string(), z.unknown()).default({}).describe('free-form settings passed to the agent'),
 }).superRefine((c, ctx) => {
+  const tooLarge = stepTooLarge(c);
+  if (tooLarge) ctx.addIssue({ code: 'custom', path: ['batch', 'groups'], message: tooLarge });
   if (c.teacher !== undefined && !(c.teacher in c.pools)) {
     ctx.addIssue({ code: 'custom', path: ['teacher'], message: `no pool named '${c.teacher}' in pools `
       + `(have: ${Object.keys(c.pools).join(', ') || 'none'})` });

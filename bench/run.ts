@@ -161,7 +161,7 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     '| pause mode | refits | useful tokens | discarded tokens | regenerated | most versions in one generation | seconds |', '|---|---:|---:|---:|---:|---:|---:|',
     ...report.partial.map((r) => `| ${r.mode} | ${r.refits} | ${r.usefulTokens} | ${r.discardedTokens} | ${r.regenerated} | ${r.maxVersionsInOne} | ${f(r.seconds, 2)} |`),
     ...(keep && abort ? ['', `Discarded: ${keep.discardedTokens} with keep vs ${abort.discardedTokens} with abort; time abort/keep ${f(abort.seconds / keep.seconds, 2)}.`] : []),
-    '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2', '',
+    '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2 (at most 2,048 groups)', '',
     'Past 256 groups in flight the pool runs the rest in rollout shards (child workflows of 256 groups each, workflows/rollout-pool.ts); the run\'s history counts its own events only.', '',
     'Trajectories/s over the steps after the first; a size cut off at its time budget is measured on the steps it did.', '',
     '| groups in flight | rollout shards | steps done | finished | seconds | trajectories/s | steps/s | run history events/step | run events/group trained | worker CPU s/step | server CPU s/step | CPU ms/episode (server + worker) | cores busy |',

@@ -118,7 +118,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
   const rows: ScaleRow[] = [];
   try {
     for (const inflight of sizes) {
-      const batchGroups = inflight / 2;
+      const batchGroups = Math.min(inflight / 2, 2048); // a step's results fit one Temporal payload (agents/live-settings.ts)
       const n = steps(inflight);
       const config = loadRecipe(RECIPE_DIR, { 'pool.inflight': String(inflight), 'batch.groups': String(batchGroups), 'train.steps': String(n), 'checkpoint.every': '1000' });
       const runId = `scale-${inflight}-${Date.now()}`;

@@ -25,6 +25,7 @@ import {
   DRAIN_EVENTS_PER_GROUP, DRAIN_EVENTS_PER_SHARD, GROUPS_PER_WORKFLOW, HISTORY_BYTES, HISTORY_EVENTS, rolloutPool, TASK_QUEUES,
 } from './rollout-pool';
 import { evalMetrics, stepMetrics } from './step-metrics';
+import { stepTooLarge } from '../agents/live-settings';
 import { MoltRecipe, MoltReward, MoltStep, MoltVersion, runDetails, runSummary, stepDetails } from './visibility';
 
 export { groupActivityId, TASK_QUEUES } from './rollout-pool';
@@ -213,7 +214,12 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   setHandler(pauseUpdate, () => { run.paused = true; return controlState(); }, { validator: whileRunning });
   setHandler(resumeUpdate, () => { run.paused = false; return controlState(); }, { validator: whileRunning });
   setHandler(setUpdate, (settings) => { config = applySettings(config, settings); saveConfig(); return controlState(); }, {
-    validator: (settings) => { whileRunning(); validateSettings(settings); },
+    validator: (settings) => {
+      whileRunning();
+      validateSettings(settings);
+      const tooLarge = stepTooLarge(applySettings(config, settings));
+      if (tooLarge) throw new Error(tooLarge);
+    },
   });
   setHandler(checkpointUpdate, async () => {
     const done = await withActor(async () => { if (run.checkpoint?.step !== run.step) await saveCheckpoint(); });
@@ -367,7 +373,8 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
       await configWritten;
       await condition(allHandlersFinished);
       if (state === 'running') {
-        const carried = { ...run, execution: (run.execution ?? 1) + 1 };
+        // Without their samples (only a step's metrics line shows them): what is carried must fit one payload.
+        const carried = { ...run, ready: run.ready.map(({ sample: _, ...r }) => r), execution: (run.execution ?? 1) + 1 };
         return continueAsNew<typeof trainRun>({ ...input, runId, config, carried, resumed: false });
       }
     }

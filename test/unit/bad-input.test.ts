@@ -52,6 +52,11 @@ test('a malformed rollout section of the recipe is named by its field', () => {
   expect(() => loadRecipe(dir, { 'rollout.partial_tokens': '0' })).toThrow(/rollout\.partial_tokens/);
   expect(() => loadRecipe(dir, { 'pool.inflight': '10001' })).toThrow(/pool\.inflight: at most 10000: the pool is measured up to 10,000 groups in flight/);
   expect(loadRecipe(dir, { 'pool.inflight': '10000' }).pool.inflight).toBe(10000);
+  // A step's results must fit one Temporal payload: past that the run's workflow task would fail forever.
+  expect(() => loadRecipe(dir, { 'batch.groups': '2049' })).toThrow(/batch\.groups: at most 2048: a step's results travel in one Temporal payload/);
+  expect(() => loadRecipe(dir, { 'batch.groups': '2048', group_size: '16' }))
+    .toThrow(/batch\.groups: batch\.groups x group_size = 2048 x 16 = 32768 trajectories a step: at most 16384/);
+  expect(loadRecipe(dir, { 'batch.groups': '2048', group_size: '8' }).batch.groups).toBe(2048);
   expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64, partial_seconds: 5 });
 });
 
