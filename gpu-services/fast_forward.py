@@ -8,6 +8,11 @@ arithmetic is HF's, op for op) and runs the linear layers over real tokens only.
 buffers with spare columns instead of DynamicLayer's torch.cat of the whole cache per step gained nothing: SDPA
 copies a key/value view that is not contiguous, at the cost of the cat: measured, then removed.) Anything
 else (MoE routers, vision towers, sliding windows) keeps the model's forward: `supports` says which.
+
+On CPU in fp32 its GEMMs are oneDNN's over weights reordered once into its blocked layout: the 33.7M model's decode
+GEMMs ran 1.6-2x faster than F.linear (MKL's sgemm) at 2-64 rows on this machine's AMD EPYC, and no slower at 1
+(measured). The reordered copies (and the q/k norm weights concatenated per layer) are derived from the weights on
+first use: after new weights land, `forget` must drop them.
 """
 from typing import Optional
 
@@ -27,6 +32,10 @@ def supports(model) -> bool:
 def fuse(model) -> None:
     """Make each layer's q/k/v weights (and gate/up) row slices of one tensor, so one GEMM serves them. Call before
     taking the model's state_dict: weight updates copy into those slices, so the fused tensors stay current."""
+    weight = model.lm_head.weight
+    model.fast_pack = (weight.device.type == "cpu" and weight.dtype == torch.float32
+                       and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    forget(model)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv = share(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -44,6 +53,26 @@ def share(*linears: torch.nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tenso
             lin.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
         start = rows.stop
     return weight, bias
+
+
+def forget(model) -> None:
+    """Drop what was derived from the weights (call after new weights are copied in)."""
+    model.fast_derived = {}
+
+
+def derived(model, key, make):
+    """make(), kept in the model until `forget`; key names it."""
+    if key not in model.fast_derived:
+        model.fast_derived[key] = make()
+    return model.fast_derived[key]
+
+
+def linear(model, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if not model.fast_pack:
+        return F.linear(x, weight, bias)
+    # the layout's batch-size hint: packed for 16, 64 or 1024 rows ran alike at 8-256 rows (measured)
+    packed = derived(model, id(weight), lambda: torch.ops.mkldnn._reorder_linear_weight(weight, 64))
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def rms_norm(norm, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -81,16 +110,17 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch
     for layer, kv in zip(inner.layers, cache.layers):
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads = attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim
-        qkv = F.linear(rms_norm(layer.input_layernorm, h), *attn.qkv).view(len(h), -1, attn.head_dim)  # [N, heads', D]
+        qkv = linear(model, rms_norm(layer.input_layernorm, h), *attn.qkv).view(len(h), -1, attn.head_dim)  # [N, heads', D]
         # q and k: their norms (each its own weight, the same epsilon) and the rotation in one go
-        norm_weight = torch.cat([attn.q_norm.weight.expand(heads, -1), attn.k_norm.weight.expand(kv_heads, -1)])
+        norm_weight = derived(model, id(attn), lambda: torch.cat([attn.q_norm.weight.expand(heads, -1),
+                                                                  attn.k_norm.weight.expand(kv_heads, -1)]))
         qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), cos, sin)
         keys, values = kv.update(spread(qk[:, heads:]), spread(qkv[:, heads + kv_heads:]))
         out = F.scaled_dot_product_attention(spread(qk[:, :heads]), keys, values, attn_mask=attn_mask,
                                              scale=attn.scaling, enable_gqa=attn.num_key_value_groups > 1)
         out = pick(out.transpose(1, 2).reshape(B * T, -1))  # [N, heads * D]
-        h = h + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
-        gate, up = F.linear(rms_norm(layer.post_attention_layernorm, h), *mlp.gate_up).chunk(2, dim=-1)
-        h = h + F.linear(mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        h = h + linear(model, out, attn.o_proj.weight, attn.o_proj.bias)
+        gate, up = linear(model, rms_norm(layer.post_attention_layernorm, h), *mlp.gate_up).chunk(2, dim=-1)
+        h = h + linear(model, mlp.act_fn(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
     last = h.view(B, T, -1)[:, -1] if idx is None else h[(flat.cumsum(0) - 1).view(B, T)[:, -1]]  # [B, hidden]
-    return model.lm_head(rms_norm(inner.norm, last))
+    return linear(model, rms_norm(inner.norm, last), model.lm_head.weight, model.lm_head.bias)

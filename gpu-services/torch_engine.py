@@ -293,6 +293,8 @@ class TorchEngine:
     def _set_version(self, version: int) -> None:
         """Under _model_lock, after new weights are in."""
         self.version = version
+        if self._fast:
+            fast_forward.forget(self.model)  # its packed copies of the old weights
         if not self.keep_stale_kv:  # the held sequences' KV came from the old weights: recompute it
             self._stale = self._running + self._stale
             self._running, self._cache, self._mask = [], None, None
