@@ -3,22 +3,25 @@
 Why not the model's own forward? At the sizes the engine serves on CPU it is not the arithmetic that costs:
 - the tiny model's decode step spent ~3/4 of its time in Python (module calls, mask building, kwargs plumbing);
 - a left-padded prefill runs every linear layer over the padding too (a third of the work for prompts of 8-24 ids).
-This forward calls the model's own norm and MLP modules and its weights (so a weight swap needs nothing here, and the
-arithmetic is HF's, op for op) and runs the linear layers over real tokens only. (A cache written in place into
-buffers with spare columns instead of DynamicLayer's torch.cat of the whole cache per step gained nothing: SDPA
-copies a key/value view that is not contiguous, at the cost of the cat: measured, then removed.) Anything
-else (MoE routers, vision towers, sliding windows) keeps the model's forward: `supports` says which.
+This forward calls the model's own norm and MLP modules and its weights, and runs the linear layers over real tokens
+only. (A cache written in place into buffers with spare columns instead of DynamicLayer's torch.cat of the whole
+cache per step gained nothing: SDPA copies a key/value view that is not contiguous, at the cost of the cat: measured,
+then removed; attention by two matmuls over such views was slower still at 64 rows.) Anything else (MoE routers,
+vision towers, sliding windows) keeps the model's forward: `supports` says which.
 
-On CPU in fp32 its GEMMs are oneDNN's over weights reordered once into its blocked layout: the 33.7M model's decode
-GEMMs ran 1.6-2x faster than F.linear (MKL's sgemm) at 2-64 rows on this machine's AMD EPYC, and no slower at 1
-(measured). The reordered copies (and the q/k norm weights concatenated per layer) are derived from the weights on
-first use: after new weights land, `forget` must drop them.
+On CPU in fp32 its larger GEMMs are oneDNN's over weights reordered once into its blocked layout: the 33.7M model's
+decode GEMMs ran 1.6-2x faster than F.linear (MKL's sgemm) at 2-64 rows on this machine's AMD EPYC, and no slower at
+1; under 2^17 weights MKL's smaller cost per call wins (measured). The reordered copies (and the q/k norm weights
+concatenated per layer) are derived from the weights on first use: after new weights land, `forget` must drop them.
 """
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+
+PACK_MIN = 1 << 17  # oneDNN's call costs ~15 us more than MKL's: on smaller weights (the tiny model's) F.linear won
 
 
 def supports(model) -> bool:
@@ -68,7 +71,7 @@ def derived(model, key, make):
 
 
 def linear(model, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if not model.fast_pack:
+    if not model.fast_pack or weight.numel() < PACK_MIN:
         return F.linear(x, weight, bias)
     # the layout's batch-size hint: packed for 16, 64 or 1024 rows ran alike at 8-256 rows (measured)
     packed = derived(model, id(weight), lambda: torch.ops.mkldnn._reorder_linear_weight(weight, 64))

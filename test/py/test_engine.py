@@ -152,17 +152,22 @@ def test_events_come_in_chunks_not_one_per_token(tiny_model):
             [(20, 20, 20, "length")], f"stream={stream}"
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @torch.no_grad()
-def test_fast_forward_matches_the_models_forward(model):
+def test_fast_forward_matches_the_models_forward(model, packed, monkeypatch):
     """fast_forward (the engine's forward for dense Qwen3, over fused q/k/v and gate/up weights) against the model's
     own forward: a prefill of one unpadded row, a left-padded prefill whose padding no linear layer sees, then decode
-    steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does)."""
+    steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does).
+    packed: every GEMM over oneDNN's reordered weights (by default only weights larger than the tiny model's)."""
     import copy
     import fast_forward
     from transformers import DynamicCache
     assert fast_forward.supports(model)
+    if packed:
+        monkeypatch.setattr(fast_forward, "PACK_MIN", 0)
     fast = copy.deepcopy(model)
     fast_forward.fuse(fast)
+    assert fast.fast_pack or not packed  # oneDNN is there in the CPU builds of torch
     g = torch.Generator().manual_seed(0)
     for reference, lens in ((model, [7]), (model, [5, 12, 9]), (perturbed(model, 1), [5, 12, 9])):
         for name, t in fast.state_dict().items():
