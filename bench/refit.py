@@ -1,8 +1,9 @@
 """Refit against the wire: a real actor (torchrun, 1 rank) pushes its weights to a real engine, against a raw
 gloo broadcast of the same bytes between two processes on a group that is already up.
 
-- refit: POST /pause {keep} -> actor POST /push_weights -> POST /resume, as activities/actor.ts does it
-  (its health checks left out); the first push (the group's rendezvous) is a warm-up, not counted;
+- refit: the actor's POST /push_weights, as activities/actor.ts calls it (its health checks left out; the engine holds
+  its requests while it receives, no /pause or /resume around it); the first push (the group's rendezvous) is a
+  warm-up, not counted; on the tiny model it is the fixed cost of a refit;
 - raw: the same bytes broadcast with ProcessGroupGloo to a process that receives them into buffers it keeps, in
   the actor's buckets packed beforehand and in one message; the faster is the baseline: moving the bytes, nothing else.
 
@@ -10,7 +11,7 @@ Repeats alternate raw and refit (the machine is shared: a slow spell hits both);
 seconds, the CPU seconds (all threads) of the processes at each end: on a machine whose cores are all busy, what a
 refit costs the others, and a figure that moves less with the load than the wall clock.
 
-    python bench/refit.py [--model DIR ...] [--repeats 7] [--threads 1] [--out refit.json]
+    python bench/refit.py [--model DIR ...] [--repeats 7] [--threads 1] [--bucket-bytes N] [--out refit.json]
 
 Without --model it makes the tiny test model in a temp dir.
 """
@@ -75,12 +76,11 @@ def service(cmd: list[str], port: int, threads: int, log: Path):
         proc.wait(timeout=60)
 
 
-def refit_seconds(actor: httpx.Client, engine: httpx.Client, version: int) -> float:
+def refit_seconds(actor: httpx.Client, engine: httpx.Client, version: int, bucket_bytes: int = BUCKET_BYTES) -> float:
     start = time.perf_counter()
-    engine.post("/pause", json={"mode": "keep"}).raise_for_status()
-    r = actor.post("/push_weights", json={"engines": [{"url": str(engine.base_url)}], "version": version})
+    r = actor.post("/push_weights", json={"engines": [{"url": str(engine.base_url)}], "version": version,
+                                          "bucket_bytes": bucket_bytes})
     r.raise_for_status()
-    engine.post("/resume").raise_for_status()
     return time.perf_counter() - start
 
 
@@ -94,12 +94,12 @@ def _raw_receiver(port: int, sizes: list[list[int]], repeats: int, threads: int)
                 group.broadcast(b, 0).wait()
 
 
-def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path) -> dict:
+def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path, bucket_bytes: int = BUCKET_BYTES) -> dict:
     model = load_causal_lm(model_dir, device=torch.device("cpu"))
     tensors = dict(model.state_dict())
     # the raw ways: the refit's own buckets, packed beforehand, and all bytes in one message; the faster is the baseline
     ways = {"buckets": [torch.cat([tensors[s.name].reshape(-1).view(torch.uint8) for s in b])
-                        for b in plan_buckets(tensors.items(), BUCKET_BYTES)]}
+                        for b in plan_buckets(tensors.items(), bucket_bytes)]}
     ways["one message"] = [torch.cat(ways["buckets"])]
 
     def raw(messages: list[torch.Tensor]) -> float:
@@ -114,7 +114,7 @@ def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path) -> dict:
                   "--token", TOKEN], eport, threads, tmp / "engine.log") as engine, \
             service([*torchrun, str(GPU_SERVICES / "actor.py"), "--model", model_dir, "--port", str(aport),
                      "--token", TOKEN, "--state-dir", str(tmp / "actor")], aport, threads, tmp / "actor.log") as actor:
-        first = refit_seconds(actor, engine, 1)
+        first = refit_seconds(actor, engine, 1, bucket_bytes)
         # the raw group comes up once both services are: its receiver waits at most the transfer timeout
         server = listen("127.0.0.1")
         receiver = mp.get_context("spawn").Process(target=_raw_receiver, args=(
@@ -129,7 +129,7 @@ def bench_model(model_dir: str, repeats: int, threads: int, tmp: Path) -> dict:
                 raws[w].append(raw(messages))
                 cpu["raw"][w].append(cpu_seconds(os.getpid(), receiver.pid) - c)
             c = cpu_seconds(actor.pid, engine.pid)
-            refits.append(refit_seconds(actor, engine, 2 + i))
+            refits.append(refit_seconds(actor, engine, 2 + i, bucket_bytes))
             cpu["refit"].append(cpu_seconds(actor.pid, engine.pid) - c)
         receiver.join()
     medians = {w: statistics.median(x[1:]) for w, x in raws.items()}
@@ -149,6 +149,7 @@ def main() -> None:
     p.add_argument("--model", action="append", help="HF model dir (repeatable; default: the tiny test model)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, the actor and the baseline")
+    p.add_argument("--bucket-bytes", type=int, default=BUCKET_BYTES, help="the push's bucket size (and the raw one's)")
     p.add_argument("--out", help="also write the figures as JSON here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -156,8 +157,8 @@ def main() -> None:
         if not a.model:
             from make_tiny_model import make
             a.model = [str(make(str(Path(tmp) / "tiny"), seed=0))]
-        rows = [bench_model(m, a.repeats, a.threads, Path(tmp)) for m in a.model]
-    print(f"refit (pause + /push_weights + resume) vs raw gloo broadcast of the same bytes on a ready group; "
+        rows = [bench_model(m, a.repeats, a.threads, Path(tmp), a.bucket_bytes) for m in a.model]
+    print(f"refit (/push_weights) vs raw gloo broadcast of the same bytes on a ready group; "
           f"medians of {a.repeats} alternating repeats\n")
     print("| model | MB | buckets | first refit (s) | refit (s) | raw (s), buckets / one message | ratio | "
           "median of pair ratios | CPU s: refit / raw | CPU ratio |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "

@@ -180,6 +180,7 @@ class Actor:
         self.model = self.sharded(args.model)
         # weights no step changes (--freeze-vision): a push to engines that have them already leaves them out
         self.frozen = {n for n, p in self.model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        self.send_buffers: list[torch.Tensor] = []  # rank 0: where buckets are packed, kept across pushes
         self.ref = self.sharded(args.ref_model).requires_grad_(False) if args.ref_model else None
         # lr, betas and weight decay are set from the request's algo at every step
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=AlgoConfig().lr)
@@ -438,7 +439,7 @@ class Actor:
         state = self.model.state_dict()
         gathered = ([full_tensor(state[n]).to(self.dtype) for n in names] for names in buckets)
         try:
-            return weight_transfer.send_buckets(group, gathered) if group is not None else 0
+            return weight_transfer.send_buckets(group, gathered, self.send_buffers) if group is not None else 0
         except Exception as e:
             raise RuntimeError(f"weight broadcast failed: {e}") from None
         finally:
@@ -746,8 +747,10 @@ def build_app(actor: Actor, token: str | None):
 
     def push(urls: list[str], req: PushWeightsRequest) -> tuple[int, bool]:
         """Returns the bytes sent and whether a new group was made."""
-        # in state-dict order, names as in the HF state dict (tied weights under both names); DTensors: full shapes
-        items = list(actor.model.state_dict().items())
+        # in state-dict order, names as in the HF state dict; DTensors: full shapes. A tied output embedding is the
+        # input one on the engine too (vLLM skips its name), so it goes once
+        tied = tied_output_name(actor.model)
+        items = [(n, t) for n, t in actor.model.state_dict().items() if n != tied]
         kept = link.urls == urls
         if kept and link.complete:  # a frozen tensor cannot have changed since the engines got it
             items = [(n, t) for n, t in items if n not in actor.frozen]

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from weight_transfer import span
+
 
 PACK_MIN = 1 << 17  # oneDNN's call costs ~15 us more than MKL's: on smaller weights (the tiny model's) F.linear won
 
@@ -46,8 +48,9 @@ def fuse(model) -> None:
 
 
 def share(*linears: torch.nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if linears[0].bias is not None else None
+    weight, bias = joined([lin.weight for lin in linears]), None
+    if linears[0].bias is not None:
+        bias = joined([lin.bias for lin in linears])
     start = 0
     for lin in linears:
         rows = slice(start, start + lin.weight.shape[0])
@@ -76,6 +79,15 @@ def linear(model, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     # the layout's batch-size hint: packed for 16, 64 or 1024 rows ran alike at 8-256 rows (measured)
     packed = derived(model, id(weight), lambda: torch.ops.mkldnn._reorder_linear_weight(weight, 64))
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors stacked along dim 0: a view when they already lie back to back (weight_transfer.flatten), so the
+    weights stay where a transfer writes them; else a copy."""
+    flat = span([t.detach() for t in tensors])
+    if flat is None:
+        return torch.cat([t.detach() for t in tensors])
+    return flat.view(tensors[0].dtype).view(-1, *tensors[0].shape[1:])
 
 
 def rms_norm(norm, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:

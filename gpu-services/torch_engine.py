@@ -43,7 +43,7 @@ import fast_forward
 from common import check_generate_ids, load_causal_lm, moe_routers, read_safetensors
 from contract import GenerateRequest, ImageRequest, SamplingParams, WeightReceiveRequest
 from vision import check_placeholders, image_token_id, load_image, store_image, vision_inputs
-from weight_transfer import Membership, receive_buckets
+from weight_transfer import Membership, flatten, receive_buckets
 
 UNIFORMS = 64
 Event = dict  # {"token_ids": [...], "logprobs": [...], "versions": [...], "finish_reason": str | None,
@@ -133,6 +133,7 @@ class TorchEngine:
         self.max_len = text_config.max_position_embeddings  # prompt + output never exceed this
         self.pad_id = text_config.pad_token_id or 0  # masked out; any valid id works
         self.version = 0
+        flatten(self.model)  # before fusing, which then keeps each fused weight where a refit writes it
         self._fast = fast_forward.supports(self.model)  # dense Qwen3: the engine's own forward (fast_forward.py)
         if self._fast:
             fast_forward.fuse(self.model)

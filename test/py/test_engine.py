@@ -153,21 +153,29 @@ def test_events_come_in_chunks_not_one_per_token(tiny_model):
 
 
 @pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("flat", [False, True])
 @torch.no_grad()
-def test_fast_forward_matches_the_models_forward(model, packed, monkeypatch):
+def test_fast_forward_matches_the_models_forward(model, packed, flat, monkeypatch):
     """fast_forward (the engine's forward for dense Qwen3, over fused q/k/v and gate/up weights) against the model's
     own forward: a prefill of one unpadded row, a left-padded prefill whose padding no linear layer sees, then decode
     steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does).
-    packed: every GEMM over oneDNN's reordered weights (by default only weights larger than the tiny model's)."""
+    packed: every GEMM over oneDNN's reordered weights (by default only weights larger than the tiny model's).
+    flat: the weights laid out in one buffer first (weight_transfer.flatten, as the engine does): the fused weights
+    are views of it, and the whole state dict is one span of bytes a push lands in."""
     import copy
     import fast_forward
     from transformers import DynamicCache
+    from weight_transfer import flatten, span
     assert fast_forward.supports(model)
     if packed:
         monkeypatch.setattr(fast_forward, "PACK_MIN", 0)
     fast = copy.deepcopy(model)
+    if flat:
+        flatten(fast)
     fast_forward.fuse(fast)
     assert fast.fast_pack or not packed  # oneDNN is there in the CPU builds of torch
+    unique = list({t.data_ptr(): t for t in fast.state_dict().values()}.values())  # a tied weight once
+    assert (span(unique) is not None) == flat
     g = torch.Generator().manual_seed(0)
     for reference, lens in ((model, [7]), (model, [5, 12, 9]), (perturbed(model, 1), [5, 12, 9])):
         for name, t in fast.state_dict().items():
@@ -259,8 +267,9 @@ def weights_engine(tiny_model, tmp_path_factory):
 HELD_PROMPTS = [[1, 2, 3], list(range(30, 47))]  # two held requests of different lengths
 
 
-def generate_across_push(url, new_model, version: int) -> list[tuple[list[int], list[int], list[float], list[int]]]:
-    """Start two long requests, pause(keep), push new_model, resume; returns (prompt, tokens, logprobs, versions)."""
+def generate_across_push(url, new_model, version: int, pause: bool = True) -> list[tuple[list[int], list[int], list[float], list[int]]]:
+    """Start two long requests, pause(keep), push new_model, resume; returns (prompt, tokens, logprobs, versions).
+    pause False: push only, as a refit does (the engine holds its requests while it receives)."""
     c = client(url)
     with contextlib.ExitStack() as stack:
         streams = []
@@ -268,11 +277,13 @@ def generate_across_push(url, new_model, version: int) -> list[tuple[list[int], 
             body = {"prompt_token_ids": prompt, "stream": True, "sampling": {"max_tokens": 300, "seed": i}}
             lines = stack.enter_context(client(url).stream("POST", "/generate", json=body)).iter_lines()
             streams.append((lines, [json.loads(next(lines))]))
-        assert c.post("/pause", json={"mode": "keep"}).status_code == 200
-        assert c.get("/health").json()["load"] == {"running": 2, "waiting": 0}  # held, not dropped
+        if pause:
+            assert c.post("/pause", json={"mode": "keep"}).status_code == 200
+            assert c.get("/health").json()["load"] == {"running": 2, "waiting": 0}  # held, not dropped
         assert push_weights(url, new_model, version) == {"version": version}
         assert c.get("/health").json()["version"] == version
-        assert c.post("/resume").status_code == 200
+        if pause:
+            assert c.post("/resume").status_code == 200
         for lines, chunks in streams:
             chunks += [json.loads(line) for line in lines if line]
     out = []
@@ -282,11 +293,15 @@ def generate_across_push(url, new_model, version: int) -> list[tuple[list[int], 
     return out
 
 
-def test_pause_push_resume_continues_with_new_weights(weights_engine, model):
+@pytest.mark.parametrize("pause", [True, False])
+def test_pause_push_resume_continues_with_new_weights(weights_engine, model, pause):
     new_model = perturbed(model, seed=1)
-    for prompt, tokens, logprobs, versions in generate_across_push(weights_engine, new_model, version=1):
-        n_old = versions.count(0)
-        assert 1 <= n_old < 300 and versions == [0] * n_old + [1] * (300 - n_old)
+    v = client(weights_engine).get("/health").json()["version"]
+    if v != 0:  # an earlier test pushed other weights: the model's own back first
+        v = push_weights(weights_engine, model, v + 1)["version"]
+    for prompt, tokens, logprobs, versions in generate_across_push(weights_engine, new_model, v + 1, pause):
+        n_old = versions.count(v)
+        assert 1 <= n_old < 300 and versions == [v] * n_old + [v + 1] * (300 - n_old)
         assert max_diff(logprobs[:n_old], expected_logprobs(model, prompt, tokens[:n_old])) < TOL
         # the held requests' KV was recomputed, so the new tokens match a forward with the new weights
         assert max_diff(logprobs[n_old:], expected_logprobs(new_model, prompt + tokens[:n_old], tokens[n_old:])) < TOL

@@ -20,19 +20,45 @@ def test_buckets_arrive_intact_with_several_on_the_wire(monkeypatch, in_flight):
     assert {len(b) == 1 for b in buckets} == {True, False}
     state = {n: torch.zeros_like(t) for n, t in sent.items()}
     state["w3"] = torch.zeros(1200, dtype=torch.float64)  # another dtype than sent: copied, not received in place
-    port, got = free_port(), {}
-
-    def engine():
-        _, group = open_group("127.0.0.1", port, 2, 1, "gloo")
-        got.update((n, t.clone()) for n, t in receive_buckets(group, buckets, torch.device("cpu"), into=state))
-
-    receiver = threading.Thread(target=engine)
-    receiver.start()
-    _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
-    assert send_buckets(group, ([sent[s.name] for s in b] for b in buckets)) == sum(
-        t.numel() * t.element_size() for t in sent.values())
-    receiver.join(timeout=60)
+    got = transfer(sent, buckets, state)
     lone = {b[0].name for b in buckets if len(b) == 1} - {"w3"}
     assert set(got) == set(sent) - lone  # the lone ones landed in `state` instead
     for n, t in sent.items():
         assert torch.equal(state[n] if n in lone else got[n], t), n
+
+
+def test_buckets_land_in_weights_that_lie_back_to_back():
+    """After flatten, a packed bucket lands straight in the weights too: nothing is left to copy."""
+    model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 5))
+    weight_transfer.flatten(model)
+    state = model.state_dict()
+    sent = {n: torch.randn_like(t) for n, t in state.items()}
+    buckets = plan_buckets(sent.items(), 1000)
+    assert {len(b) == 1 for b in buckets} == {True, False}
+    assert transfer(sent, buckets, state) == {}
+    for n, t in sent.items():
+        assert torch.equal(state[n], t), n
+        assert torch.equal(dict(model.named_parameters())[n], t), n  # the parameters are those views
+
+
+def transfer(sent: dict[str, torch.Tensor], buckets, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Send `sent` in `buckets` from rank 0 to rank 1 (a thread) of a gloo group; returns what receive_buckets
+    yielded (not landed in `into`)."""
+    port, got = free_port(), {}
+
+    def engine():
+        _, group = open_group("127.0.0.1", port, 2, 1, "gloo")
+        for _ in range(2):
+            got.update((n, t.clone()) for n, t in receive_buckets(group, buckets, torch.device("cpu"), into=into))
+
+    receiver = threading.Thread(target=engine)
+    receiver.start()
+    _, group = open_group("127.0.0.1", port, 2, 0, "gloo")
+    spare, kept = [], []
+    for _ in range(2):  # the second time through the packing buffers kept from the first, no new ones
+        assert send_buckets(group, ([sent[s.name] for s in b] for b in buckets), spare) == sum(
+            t.numel() * t.element_size() for t in sent.values())
+        kept.append({b.data_ptr() for b in spare})
+    assert kept[0] and kept[1] == kept[0]
+    receiver.join(timeout=60)
+    return got
