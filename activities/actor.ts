@@ -185,8 +185,8 @@ async function reachable(engines: string[], token: string): Promise<{ live: [str
 
 // Pushes the actor's weights of step `version` to every engine not at that version (a restarted
 // engine comes back at version 0 and rejoins here; engines already there keep serving), or to every
-// one when they join the run. An engine found paused is resumed whatever else happens: an earlier
-// attempt may have pushed the weights and then failed to resume it (a connection reset on /resume).
+// one when they join the run. An engine found paused is resumed first: a refit of an earlier worker
+// (which paused engines around the push) may have failed before it resumed it.
 export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Promise<RefitResult> {
   const { token } = endpoints;
   for (const [name, urls] of Object.entries(endpoints.pools ?? {})) { // a judge's or teacher's weights are not the policy's
@@ -195,17 +195,18 @@ export async function refit(endpoints: ServiceEndpoints, input: RefitInput): Pro
   }
   const { live, missed } = await reachable(input.engines ?? endpoints.engines, token);
   const engines = live.filter(([, h]) => input.join || h.version !== input.version).map(([e]) => e);
-  const paused = live.filter(([e, h]) => h.paused && !engines.includes(e)).map(([e]) => e);
+  await resumeEngines(live.filter(([, h]) => h.paused).map(([e]) => e), token);
   if (engines.length === 0) {
-    await resumeEngines(paused, token);
-    Context.current().log.info('refit: engines already at version', { version: input.version, resumed: paused.length });
+    Context.current().log.info('refit: engines already at version', { version: input.version });
     return { version: input.version, seconds: 0, bytes: 0, ...(missed.length ? { missed } : {}) }; // a retry after a completed push
   }
-  return { ...await pushWeights(endpoints, input.runId, input.version, engines, paused), ...(missed.length ? { missed } : {}) };
+  return { ...await pushWeights(endpoints, input.runId, input.version, engines), ...(missed.length ? { missed } : {}) };
 }
 
-// Pushes the weights of step `version` of the run to `engines`, and resumes them and `paused`.
-async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: number, engines: string[], paused: string[] = []): Promise<RefitResult> {
+// Pushes the weights of step `version` of the run to `engines`. No /pause or /resume around it: an
+// engine holds its requests while it receives (they go on with the new weights), as a pause with mode
+// keep would, and those two calls per engine were half of a small model's refit (bench/refit.py).
+async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: number, engines: string[]): Promise<RefitResult> {
   const started = Date.now();
   const { token } = endpoints;
   // The weights must be those of step `version`: a restarted actor catches up first.
@@ -216,22 +217,10 @@ async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: 
   if (actor.run_id !== owner || actor.last_step !== version) {
     throw new Error(`refit: asked for version ${version} of run ${runId}, but the actor holds step ${actor.last_step} of run ${actor.run_id}`);
   }
-  let pushed: PushWeightsResponse;
-  try {
-    // Pause with mode keep: in-flight requests are held, not dropped, and continue on the new weights.
-    // Inside the try: if one engine fails to pause, the others are still resumed.
-    await Promise.all(engines.map((e) =>
-      callService(e, '/pause', token, { body: { mode: 'keep' }, request: 'PauseRequest', timeoutMs: CONTROL_TIMEOUT_MS }),
-    ));
-    pushed = await heartbeating({ version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
-      body: { engines: engines.map((url) => ({ url })), version },
-      request: 'PushWeightsRequest', response: 'PushWeightsResponse',
-    }));
-  } catch (e) {
-    await resumeEngines([...engines, ...paused], token).catch(() => undefined); // the push's error is the one to report
-    throw e;
-  }
-  await resumeEngines([...engines, ...paused], token); // on failure the retry finds them paused and resumes them
+  const pushed = await heartbeating({ version }, callService<PushWeightsResponse>(endpoints.actor, '/push_weights', token, {
+    body: { engines: engines.map((url) => ({ url })), version },
+    request: 'PushWeightsRequest', response: 'PushWeightsResponse',
+  }));
   return { version: pushed.version, seconds: (Date.now() - started) / 1000, bytes: pushed.bytes };
 }
 

@@ -4,7 +4,7 @@
   transformers' batched `model.generate` on the same prompts (left-padded, sampling, same length), on the
   tiny model and on a 33.7M one of the same family (--size); engine and baseline alternate, medians of --repeats;
   --compare DIR also runs the engine of another gpu-services copy (e.g. main's, for before/after), interleaved;
-- refit: pause -> the actor's /push_weights of the whole model -> resume, against a raw gloo broadcast of the
+- refit: the actor's /push_weights of the whole model, against a raw gloo broadcast of the
   same bytes between two processes (bench/refit.py), on each model.
 
     python bench/engine.py [--model DIR] [--size tiny|33.7M|all] [--threads 1] [--repeats 3] [--concurrency 1,16,64]
@@ -174,7 +174,7 @@ def main() -> None:
     if not a.no_refit:
         for name, model_dir in models.items():
             r = bench_refit(model_dir, a.repeats if a.repeats > 1 else 3, a.threads, Path(tmp.name))
-            rows.append({"what": f"{name}: refit {r['bytes'] / 1e6:.2f} MB (s): pause + actor /push_weights + resume vs "
+            rows.append({"what": f"{name}: refit {r['bytes'] / 1e6:.2f} MB (s): actor /push_weights vs "
                                  f"raw gloo broadcast of the same bytes on a ready group (bench/refit.py)",
                          "engine": r["refit_median"], "baseline": r["raw_median"], "ratio": r["ratio"],
                          **({"cpu_ratio": r["cpu_ratio"]} if r["cpu_ratio"] else {})})
