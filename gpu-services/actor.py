@@ -21,6 +21,7 @@ optimizer step there); on a CPU-only machine everything already lives there, so 
 """
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -745,17 +746,20 @@ def build_app(actor: Actor, token: str | None):
 
     link = EnginesLink(args, "nccl" if actor.device.type == "cuda" else "gloo", token)
 
+    @functools.cache  # names and shapes stay (other weights loaded into the actor have this architecture)
+    def plans(skip_frozen: bool, bucket_bytes: int) -> list[list[TensorSpec]]:
+        """The buckets of a push: in state-dict order, names as in the HF state dict, DTensors at full shapes. A tied
+        output embedding is the input one on the engine too (vLLM skips its name), so it goes once."""
+        tied = tied_output_name(actor.model)
+        skip = actor.frozen if skip_frozen else set()
+        return weight_transfer.plan_buckets(
+            ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta"))
+             for n, t in actor.model.state_dict().items() if n != tied and n not in skip), bucket_bytes)
+
     def push(urls: list[str], req: PushWeightsRequest) -> tuple[int, bool]:
         """Returns the bytes sent and whether a new group was made."""
-        # in state-dict order, names as in the HF state dict; DTensors: full shapes. A tied output embedding is the
-        # input one on the engine too (vLLM skips its name), so it goes once
-        tied = tied_output_name(actor.model)
-        items = [(n, t) for n, t in actor.model.state_dict().items() if n != tied]
         kept = link.urls == urls
-        if kept and link.complete:  # a frozen tensor cannot have changed since the engines got it
-            items = [(n, t) for n, t in items if n not in actor.frozen]
-        specs = weight_transfer.plan_buckets(
-            ((n, torch.empty(t.shape, dtype=actor.dtype, device="meta")) for n, t in items), req.bucket_bytes)
+        specs = plans(kept and link.complete, req.bucket_bytes)  # a frozen tensor cannot have changed since then
         answers = link.start(urls, specs, req.version)
         sent = actor.run("push_weights", [[s.name for s in b] for b in specs], group=link.group)
         versions = [a.result() for a in answers]

@@ -167,7 +167,7 @@ def send_buckets(group: dist.ProcessGroup, buckets: Iterable[list[torch.Tensor]]
     """Rank 0: broadcast each bucket (a lone tensor as it is, several packed); pulling the next bucket from
     `buckets` (a gather, on the actor) and packing it overlap the ones on the wire. Packing goes into buffers taken
     from `spare` and put back once sent: the caller keeps them from one push to the next, because a new CPU buffer
-    costs a page fault per 4 KB at first touch, more than the copy (128 MB in 16 MB buckets here: 2.5x slower).
+    costs a page fault per 4 KB at first touch (135 MB in 16 MB buckets here: 0.069 CPU s to pack, 0.054 kept).
     Returns the bytes sent."""
     spare = [] if spare is None else spare
 
