@@ -114,7 +114,8 @@ export function rolloutPool(o: {
       if (k < 0) k = shards.push({ id: `${workflowInfo().workflowId}-shard-${execution}-${shards.length}`, inflight: 0, sent: null, finished: Promise.resolve() }) - 1;
       shards[k].inflight++;
       shardOf.set(g.groupIndex, k);
-      toShard.set(k, [...(toShard.get(k) ?? []), g]);
+      if (!toShard.has(k)) toShard.set(k, []);
+      toShard.get(k)!.push(g);
     }
     for (const [k, queued] of toShard) {
       const shard = shards[k];
