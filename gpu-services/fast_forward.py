@@ -4,10 +4,11 @@ Why not the model's own forward? At the sizes the engine serves on CPU it is not
 - the tiny model's decode step spent ~3/4 of its time in Python (module calls, mask building, kwargs plumbing);
 - a left-padded prefill runs every linear layer over the padding too (a third of the work for prompts of 8-24 ids).
 This forward calls the model's own norm and MLP modules and its weights, and runs the linear layers over real tokens
-only. (A cache written in place into buffers with spare columns instead of DynamicLayer's torch.cat of the whole
-cache per step gained nothing: SDPA copies a key/value view that is not contiguous, at the cost of the cat: measured,
-then removed; attention by two matmuls over such views was slower still at 64 rows.) Anything else (MoE routers,
-vision towers, sliding windows) keeps the model's forward: `supports` says which.
+only. A decode step writes its keys and values in place into spare columns of the layer's cache (`append`), not
+through DynamicLayer's torch.cat of the whole cache, which at 64 rows cost ~2/3 of the attention itself; attention
+runs over the whole buffer with the spare columns masked out (SDPA copies a view of the used columns, not being
+contiguous, at the cost of the cat; two matmuls over such views were slower still: measured). Anything else (MoE
+routers, vision towers, sliding windows) keeps the model's forward: `supports` says which.
 
 On CPU in fp32 its larger GEMMs are oneDNN's over weights reordered once into its blocked layout: the 33.7M model's
 decode GEMMs ran 1.6-2x faster than F.linear (MKL's sgemm) at 2-64 rows on this machine's AMD EPYC, and no slower at
@@ -90,6 +91,22 @@ def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
     return flat.view(tensors[0].dtype).view(-1, *tensors[0].shape[1:])
 
 
+SPARE = 8  # columns a full cache grows by: a copy of the cache every 8 decode steps, ~4 masked columns attended
+
+
+def append(kv, keys: torch.Tensor, values: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write keys/values [B, heads, T, D] at columns [width - T, width) of the layer's cache (the columns past width
+    are spare) and return its buffers [B, heads, >= width, D]."""
+    if not kv.is_initialized:  # a prefill's fresh cache
+        return kv.update(keys, values)
+    if kv.keys.shape[2] < width:
+        grow = (0, 0, 0, width - kv.keys.shape[2] + SPARE)
+        kv.keys, kv.values = F.pad(kv.keys, grow), F.pad(kv.values, grow)
+    kv.keys[:, :, width - keys.shape[2]:width] = keys
+    kv.values[:, :, width - keys.shape[2]:width] = values
+    return kv.keys, kv.values
+
+
 def rms_norm(norm, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Qwen3RMSNorm's arithmetic, inline (a module call per norm was a tenth of the tiny model's decode step)."""
     h = x.to(torch.float32)
@@ -106,8 +123,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, cache: DynamicCache,
             attn_mask: torch.Tensor) -> torch.Tensor:
     """Logits [B, V] at the last position of each row. input_ids/positions/real [B, T] (real: bool, False = left
-    padding, which no linear layer sees); cache: this batch's DynamicCache, its T new columns are appended; attn_mask
-    [B, 1, T, cached + T] bool, True = may attend."""
+    padding, which no linear layer sees); cache: this batch's DynamicCache, its T new columns are written after the
+    `cached` ones (its buffers may have spare columns past them: see append); attn_mask [B, 1, T, cached + T] bool,
+    True = may attend."""
     B, T = input_ids.shape
     inner = model.model
     flat = real.reshape(-1)
@@ -122,16 +140,20 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch
             x = x.new_zeros(B * T, *x.shape[1:]).index_copy_(0, idx, x)
         return x.view(B, T, *x.shape[1:]).transpose(1, 2)
 
+    mask = attn_mask
     for layer, kv in zip(inner.layers, cache.layers):
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads = attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim
-        qkv = linear(model, rms_norm(layer.input_layernorm, h), *attn.qkv).view(len(h), -1, attn.head_dim)  # [N, heads', D]
+        qkv = linear(model, rms_norm(layer.input_layernorm, h), *attn.qkv)
+        qkv = qkv.view(len(h), -1, attn.head_dim)  # [N, heads', D]
         # q and k: their norms (each its own weight, the same epsilon) and the rotation in one go
         norm_weight = derived(model, id(attn), lambda: torch.cat([attn.q_norm.weight.expand(heads, -1),
                                                                   attn.k_norm.weight.expand(kv_heads, -1)]))
         qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), cos, sin)
-        keys, values = kv.update(spread(qk[:, heads:]), spread(qkv[:, heads + kv_heads:]))
-        out = F.scaled_dot_product_attention(spread(qk[:, :heads]), keys, values, attn_mask=attn_mask,
+        keys, values = append(kv, spread(qk[:, heads:]), spread(qkv[:, heads + kv_heads:]), attn_mask.shape[-1])
+        if keys.shape[2] != mask.shape[-1]:  # spare columns: not attended
+            mask = F.pad(attn_mask, (0, keys.shape[2] - attn_mask.shape[-1]))
+        out = F.scaled_dot_product_attention(spread(qk[:, :heads]), keys, values, attn_mask=mask,
                                              scale=attn.scaling, enable_gqa=attn.num_key_value_groups > 1)
         out = pick(out.transpose(1, 2).reshape(B * T, -1))  # [N, heads * D]
         h = h + linear(model, out, attn.o_proj.weight, attn.o_proj.bias)

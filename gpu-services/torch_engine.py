@@ -159,7 +159,7 @@ class TorchEngine:
         # Owned by the scheduler step (under _model_lock):
         self._running: list[Sequence] = []  # rows of the batch cache, in order
         self._stale: list[Sequence] = []  # held sequences whose KV was dropped after a swap; prefilled next
-        self._cache: Optional[DynamicCache] = None  # per layer keys/values [B, heads, L, head_dim], left-padded
+        self._cache: Optional[DynamicCache] = None  # per layer keys/values [B, heads, L + spare, head_dim], left-padded
         self._mask: Optional[torch.Tensor] = None  # [B, L] 1 = real token, 0 = left padding
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -464,11 +464,11 @@ class TorchEngine:
         if not self._running:
             self._running, self._cache, self._mask = list(seqs), cache, mask
             return
-        L = max(self._mask.shape[1], mask.shape[1])
+        W, L = self._mask.shape[1], max(self._mask.shape[1], mask.shape[1])
         pad = lambda t, dim: F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (L - t.shape[dim], 0))  # left-pad along dim
-        for old, new in zip(self._cache.layers, cache.layers):
-            old.keys = torch.cat([pad(old.keys, 2), pad(new.keys, 2)], dim=0)
-            old.values = torch.cat([pad(old.values, 2), pad(new.values, 2)], dim=0)
+        for old, new in zip(self._cache.layers, cache.layers):  # [:W]: without fast_forward's spare columns
+            old.keys = torch.cat([pad(old.keys[:, :, :W], 2), pad(new.keys, 2)], dim=0)
+            old.values = torch.cat([pad(old.values[:, :, :W], 2), pad(new.values, 2)], dim=0)
         self._mask = torch.cat([pad(self._mask, 1), pad(mask, 1)], dim=0)
         self._running += seqs
 
