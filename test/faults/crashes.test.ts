@@ -7,7 +7,8 @@
 //     of its episodes: no duplicates, no losses, by key;
 //   - the actor's step log (the lineage of its final weights) holds each step exactly once;
 //   - the actor and both engines end on the same version.
-// Beside the kills, faults that leave every process alive (issue 15, items 6-8): an engine hung (SIGSTOP) for longer than the engine-call deadline,
+// Beside the kills, faults that leave every process alive (issue 15, items 5-8): a refit whose call to an
+// engine is reset, an engine hung (SIGSTOP) for longer than the engine-call deadline,
 // the actor dying right after it asked the engines to join a weight transfer (they wait for it in
 // the rendezvous), and a full disk under the store (a real tmpfs, root only) for a while.
 // Second model pools (issue 17): a judge pool of two engines and a teacher pool of one, called from every episode
@@ -164,6 +165,13 @@ const kill = (victim: string): Fault => async (runId) => {
   return { at, step, detail: `killed after step ${step}, restarted in ${((Date.now() - at) / 1000).toFixed(1)} s` };
 };
 
+// Item 5: a refit's call to engine 1 (the actor asking it to receive the weights) has its connection reset
+// (a refit no longer calls /pause and /resume: an engine holds its requests while it receives).
+const receiveReset: Fault = (runId) => new Promise((resolve) => proxies[0].once('/weights/receive', async () => {
+  resolve({ at: Date.now(), step: await actorStep(runId), detail: 'the /weights/receive of a refit reset' });
+  return 'reset';
+}));
+
 // Item 6: engine 1 stops (SIGSTOP) for HANG_MS, longer than the rollout worker's engine-call deadline.
 const hang: Fault = async (runId) => {
   const pid = stack.processes.get('engine-1')!.pid!;
@@ -299,8 +307,7 @@ test.each(['pool-judge-1', 'pool-teacher-0'])('kill -9 %s mid-run: failed over o
     }
   }, 600_000);
 
-// (Item 5, a refit's /resume reset, went with the /pause and /resume around a push: a refit calls neither now.)
-const faults: [string, Fault][] = [['engine-hung', hang], ['dead-rendezvous', deadRendezvous]];
+const faults: [string, Fault][] = [['receive-reset', receiveReset], ['engine-hung', hang], ['dead-rendezvous', deadRendezvous]];
 test.each(faults)('%s mid-run: every step once, nothing lost or duplicated, no engine left paused', async (name, fault) => {
   const { runId, summary } = await runWithFault(name, fault);
   await expectDurable(runId, summary);
