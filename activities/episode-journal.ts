@@ -38,7 +38,7 @@ export interface JournalFile {
   pools?: Record<string, ({ request: string; reply: unknown } | null)[]>; // per pool, its answered calls in order
 }
 // The engine, bound to the episode's router session: streams when given onChunk (see EngineRouter).
-export type EngineCall = (body: GenerateRequest, onChunk: (chunk: GenerateChunk) => boolean)
+export type EngineCall = (body: GenerateRequest, onChunk?: (chunk: GenerateChunk) => boolean)
   => Promise<GenerateResponse>;
 
 export function journalKey(runId: string, group: number, episode: number): string {
@@ -71,6 +71,8 @@ export class EpisodeJournal {
   private saveQueued = false;
   private lastSave = { tokens: 0, at: Date.now() };
   private savedTokens = 0;
+  private saveTimer: NodeJS.Timeout | undefined; // the deferred save of a finished call
+  private onDisk: boolean; // a journal file exists (this one's, or a previous attempt's)
 
   constructor(
     private readonly storeRoot: string,
@@ -82,6 +84,7 @@ export class EpisodeJournal {
     this.replay = previous?.calls ?? [];
     this.resume = previous?.current ?? null;
     this.poolReplay = previous?.pools ?? {};
+    this.onDisk = previous !== null || fs.existsSync(path.join(storeRoot, key));
   }
 
   // One call to another pool. Its place is taken when it starts, so concurrent calls keep the order the
@@ -156,12 +159,16 @@ export class EpisodeJournal {
         const { seed: first } = body.sampling;
         const seed = first === undefined || have === 0 ? first : deriveSeed(first, have);
         let arrived = 0;
+        // Streamed only when someone reads the tokens as they come (the loopback server) or the call can
+        // sample more than a save interval's tokens: a short call (an Env turn of a few dozen tokens) is
+        // one plain reply, not a JSON line per decode step to write, parse and check at both ends.
+        const stream = onToken !== undefined || maxTokens - have > this.every.tokens;
         try {
           const res = await engine({
             ...body,
             prompt_token_ids: [...body.prompt_token_ids, ...current.token_ids],
             sampling: { ...body.sampling, max_tokens: maxTokens - have, ...(seed === undefined ? {} : { seed }) },
-          }, (chunk) => {
+          }, stream ? (chunk) => {
             for (const [i, id] of chunk.token_ids.entries()) {
               arrived++;
               this.stats.generatedTokens++;
@@ -169,7 +176,7 @@ export class EpisodeJournal {
             }
             if (!routedCall) this.saveIfDue();
             return false;
-          });
+          } : undefined);
           // An engine call that did not stream hands over its ids here.
           for (let i = arrived; i < res.token_ids.length && !stopped; i++) {
             this.stats.generatedTokens++;
@@ -191,7 +198,7 @@ export class EpisodeJournal {
     const reply = { ...sampled, finish_reason: finish, ...(routed ? { routed_experts: routed } : {}) };
     this.recorded.calls.push({ prompt, ...reply });
     this.recorded.current = null;
-    await this.save();
+    await this.saveFinishedCall();
     return { request_id: `journal-${index}`, ...reply };
   }
 
@@ -206,6 +213,21 @@ export class EpisodeJournal {
     void this.save().catch(() => undefined); // a failed save surfaces at the next awaited one
   }
 
+  // A finished call is saved at once only when every.tokens were sampled since the last save; else
+  // every.seconds later, unless the episode is over by then. So an episode of one short call (most Env
+  // episodes) reaches the store without its journal ever being written (a write with two fsyncs, then
+  // an unlink, per episode), and a crash still loses no more than one save interval of work.
+  private async saveFinishedCall(): Promise<void> {
+    if (this.sampled() - this.lastSave.tokens >= this.every.tokens) {
+      this.lastSave = { tokens: this.sampled(), at: Date.now() };
+      return this.save();
+    }
+    this.saveTimer ??= setTimeout(() => {
+      this.saveTimer = undefined;
+      void this.save().catch(() => undefined); // a failed save surfaces at the next awaited one
+    }, this.every.seconds * 1000).unref();
+  }
+
   // Saves are serialized and coalesced: at most one queued behind the one being written, and that
   // one writes the journal as it is when it starts.
   save(): Promise<void> {
@@ -213,6 +235,7 @@ export class EpisodeJournal {
       this.saveQueued = true;
       this.saving = this.saving.then(async () => {
         this.saveQueued = false;
+        this.onDisk = true;
         const [text, tokens] = [JSON.stringify(this.recorded), this.sampled()]; // tokens keep arriving while it is written
         await writeFileAtomic(path.join(this.storeRoot, this.key), text);
         this.savedTokens = tokens;
@@ -225,8 +248,9 @@ export class EpisodeJournal {
   // Once the episode is in the store (or failed for good) its journal is only clutter: half the files
   // of a run's folder were journals of finished episodes. Losing it early would cost regeneration only.
   async discard(): Promise<void> {
+    clearTimeout(this.saveTimer);
     await this.saving.catch(() => undefined);
-    await fs.promises.rm(path.join(this.storeRoot, this.key), { force: true });
+    if (this.onDisk) await fs.promises.rm(path.join(this.storeRoot, this.key), { force: true });
   }
 
   // Sampled tokens of the journal as saved: answered calls plus the call in progress.

@@ -101,8 +101,12 @@ export function writeError(e: unknown, file: string): Error {
 export async function writeFileAtomic(file: string, data: Buffer | string): Promise<void> {
   const tmp = `${file}.tmp-${process.pid}-${Math.random().toString(36).slice(2)}`;
   try {
-    await fs.promises.mkdir(path.dirname(file), { recursive: true });
-    const handle = await fs.promises.open(tmp, 'w');
+    // The folder exists for all but a run's first few writes: make it only when the open says it is missing.
+    const handle = await fs.promises.open(tmp, 'w').catch(async (e) => {
+      if ((e as NodeJS.ErrnoException).code !== 'ENOENT') throw e;
+      await fs.promises.mkdir(path.dirname(file), { recursive: true });
+      return fs.promises.open(tmp, 'w');
+    });
     try {
       await handle.writeFile(data);
       await handle.sync();

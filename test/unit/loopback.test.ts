@@ -376,6 +376,7 @@ test('n > 1 on the engine; a replayed journal gives identical requests their own
   expect(new Set(calls.map((c) => JSON.stringify(c.gen.token_ids))).size).toBe(4); // four different samples
   expect(a.segments.map((s) => s.tokens)).toEqual(calls.map((c) => [...c.prompt, ...c.gen.token_ids]));
 
+  await first.save(); // what its deferred save writes (short calls are saved a save interval later)
   const replayed = new EpisodeJournal(storeRoot, 'repeat/e0.json', readJournal(storeRoot, 'repeat/e0.json'), { tokens: 8, seconds: 60 }, () => undefined);
   const b = await run(replayed);
   expect(replayed.stats).toMatchObject({ replayedCalls: 4, generatedTokens: 0 });

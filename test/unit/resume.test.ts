@@ -9,7 +9,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
-import type { GenerateRequest } from '../../activities/gpu-client';
+import type { GenerateChunk, GenerateRequest } from '../../activities/gpu-client';
 import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
@@ -182,4 +182,33 @@ test('an agent that asks something else than its journal recorded gets fresh gen
   await again.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 63], sampling }, engineCall); // another observation
   expect(router.calls).toHaveLength(3);
   expect(again.stats).toMatchObject({ replayedCalls: 1, resumedTokens: 0, generatedTokens: 4 });
+});
+
+test('a short call is asked unstreamed and its journal written only once a save is due, or a save interval later', async () => {
+  const router = new RecordingRouter([engine.url], TOKEN);
+  const streamed: boolean[] = [];
+  const engineCall = (body: GenerateRequest, onChunk?: (c: GenerateChunk) => boolean) => {
+    streamed.push(onChunk !== undefined);
+    return router.generate('s', body, undefined, onChunk);
+  };
+  const sampling = { max_tokens: 4, temperature: 1, top_p: 1, top_k: 0, stop_token_ids: [], seed: 1 };
+  const file = path.join(storeRoot, 'short/e0.json');
+  const journal = new EpisodeJournal(storeRoot, 'short/e0.json', null, { tokens: 8, seconds: 0.2 }, () => undefined);
+  const a = await journal.generate({ prompt_token_ids: [104, 105], sampling }, engineCall);
+  expect(fs.existsSync(file)).toBe(false); // 4 of 8 tokens: not due yet
+  for (let waited = 0; !fs.existsSync(file) && waited < 10_000; waited += 50) await new Promise((r) => setTimeout(r, 50));
+  expect(readJournal(storeRoot, 'short/e0.json')!.calls).toHaveLength(1); // saved a save interval later
+  await journal.generate({ prompt_token_ids: [104, 105, ...a.token_ids, 62], sampling }, engineCall);
+  expect(readJournal(storeRoot, 'short/e0.json')!.calls).toHaveLength(2); // 8 tokens since the last save: at once
+  await journal.generate({ prompt_token_ids: [104], sampling: { ...sampling, max_tokens: 9 } }, engineCall);
+  expect(streamed).toEqual([false, false, true]); // only a call longer than a save interval streams
+  await journal.discard();
+  expect(fs.existsSync(file)).toBe(false);
+
+  // An episode over before its deferred save never writes a journal.
+  const quick = new EpisodeJournal(storeRoot, 'short/e1.json', null, { tokens: 8, seconds: 0.2 }, () => undefined);
+  await quick.generate({ prompt_token_ids: [104, 105], sampling }, engineCall);
+  await quick.discard();
+  await new Promise((r) => setTimeout(r, 400));
+  expect(fs.existsSync(path.join(storeRoot, 'short/e1.json'))).toBe(false);
 });

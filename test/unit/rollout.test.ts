@@ -173,8 +173,9 @@ describe('rolloutGroup', () => {
     const manifest = first.beats[first.beats.length - 1];
     expect(Object.keys(manifest.failed)).toEqual(['2']);
     expect(manifest.failed[2]).toMatch(/episode 2 fails on purpose/);
-    // Journals of finished and of failed episodes are deleted, and the group's journal folder with them.
-    expect(fs.readdirSync(path.join(storeRoot, 'echo-run', 'partials'))).toEqual([]);
+    // Journals of finished and of failed episodes are deleted (short episodes write none), and the group's journal folder with them.
+    const partials = path.join(storeRoot, 'echo-run', 'partials');
+    expect(fs.existsSync(partials) ? fs.readdirSync(partials) : []).toEqual([]);
 
     // Retry as Temporal would, with the last heartbeat minus episode 1 (as if it had not finished).
     const inode = (ref: string) => fs.statSync(path.join(storeRoot, ref)).ino;
