@@ -48,9 +48,10 @@ export interface PushWeightsResponse { version: number; bytes: number; seconds: 
 export interface CheckpointResponse { path: string; step: number; version: number }
 export interface ActorHealth { version: number; last_step: number; run_id: string | null; world_size: number; model: string }
 
-// status is the HTTP status, or undefined when the service could not be reached at all.
+// status is the HTTP status, or undefined when the service could not be reached at all; code: the
+// connection's error code then (e.g. UND_ERR_SOCKET: the server closed the connection unanswered).
 export class ServiceError extends Error {
-  constructor(message: string, readonly status?: number) {
+  constructor(message: string, readonly status?: number, readonly code?: string) {
     super(message);
     this.name = 'ServiceError';
   }
@@ -95,7 +96,7 @@ export async function callService<T>(baseUrl: string, route: string, token: stri
       throw new ServiceError(`${method} ${url}: no answer within ${opts.timeoutMs! / 1000} s`);
     }
     const cause = (e as any)?.cause?.message ?? (e as Error).message;
-    throw new ServiceError(`${method} ${url} failed: ${cause}`);
+    throw new ServiceError(`${method} ${url} failed: ${cause}`, undefined, (e as any)?.cause?.code);
   }
   let json: any;
   try {
@@ -179,7 +180,8 @@ export async function streamGenerate(baseUrl: string, token: string, body: Gener
       throw new ServiceError(`POST ${url}: not answered within ${timeoutMs! / 1000} s${after}`);
     }
     const cause = (e as any)?.cause?.message ?? (e as Error).message;
-    throw new ServiceError(`POST ${url} failed${out.token_ids.length ? ` after ${out.token_ids.length} tokens` : ''}: ${cause}`);
+    throw new ServiceError(`POST ${url} failed${out.token_ids.length ? ` after ${out.token_ids.length} tokens` : ''}: ${cause}`,
+      undefined, (e as any)?.cause?.code);
   }
   throw new ServiceError(`POST ${url}: the stream ended without a finish_reason after ${out.token_ids.length} tokens`);
 }

@@ -111,6 +111,7 @@ export class EngineRouter {
     const probe = this.probeDown();
     if (pool.every((e) => this.down.has(e))) await probe; // nothing to route to before it
     const tried = new Set<string>();
+    let reasked = false;
     const pinned = this.affinity.get(session);
     let engine = pinned !== undefined && pool.includes(pinned) && !this.down.has(pinned) ? pinned : this.leastLoaded(tried, pool);
     if (engine === undefined) throw new ServiceError(`no engine in rotation: ${pool.join(', ')} all failed and have not rejoined`);
@@ -127,6 +128,12 @@ export class EngineRouter {
         return await call(current, () => { streamed = true; });
       } catch (e) {
         const retryable = e instanceof ServiceError && (e.status === undefined || e.status >= 500);
+        // A kept-alive connection the engine closed as we reused it (its idle timeout racing ours, a race a
+        // loaded machine wins often): the engine is fine, ask it again once.
+        if (retryable && e.code === 'UND_ERR_SOCKET' && !streamed && !reasked && !signal?.aborted) {
+          reasked = true;
+          continue;
+        }
         if (retryable && !signal?.aborted) this.down.set(current, Date.now());
         const next = retryable && !streamed ? this.leastLoaded(tried, pool) : undefined;
         if (next === undefined) throw e;
