@@ -22,6 +22,11 @@ export interface LoopResult {
   seconds: number; // from start to the last step's checkpoint
   trainedTokens: number; // generated tokens of the groups trained on
   engineBusy: number | null; // mean fraction of wall time each engine was generating (plain loops only)
+  // Plain loops only, means per step: seconds waiting for the batch (sync: its whole generation) and
+  // training + refitting it; CPU seconds of this process, of the engines and of the actor; idle
+  // seconds of each core (/proc/stat) over the run.
+  waitSeconds?: number; trainSeconds?: number;
+  cpuPerStep?: { node: number; engines: number; actor: number }; idlePerStep?: number[];
   // Temporal loop only: CPU seconds burnt while it ran by the Temporal dev server and by the worker
   // that runs the loop's workflow tasks (control + actor queues): the orchestration's own cost.
   cpu?: { server: number; controlWorker: number };
@@ -120,6 +125,13 @@ export class EngineMeter {
   }
 }
 
+// Idle (+ iowait) seconds of each CPU since boot, from /proc/stat (in USER_HZ ticks, 100 a second); [] elsewhere.
+function coreIdleSeconds(): number[] {
+  if (!fs.existsSync('/proc/stat')) return [];
+  return fs.readFileSync('/proc/stat', 'utf8').split('\n').filter((l) => /^cpu\d/.test(l))
+    .map((l) => { const f = l.split(/\s+/).map(Number); return (f[4] + f[5]) / 100; });
+}
+
 // The same loop without Temporal: the same activity functions, the same pool and batch rule.
 // 'sync': batch.groups in flight, refilled only once the step (train + refit) is done.
 export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync', pinned = false): Promise<LoopResult> {
@@ -147,26 +159,40 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
     };
     const meter = new EngineMeter(stack.engines);
     const uninstall = meter.install();
+    const pids = [...stack.processes].filter(([name]) => name.startsWith('engine-') || name === 'actor');
+    const serviceCpu = (prefix: string) => pids.filter(([n]) => n.startsWith(prefix)).reduce((s, [, p]) => s + treeCpuSeconds(p.pid!), 0);
+    const cpu0 = { node: process.cpuUsage(), engines: serviceCpu('engine-'), actor: serviceCpu('actor'), idle: coreIdleSeconds() };
+    let [waitMs, trainMs] = [0, 0];
     try {
       const started = performance.now();
       fill();
       for (let step = 1; step <= config.train.steps; step++) {
+        const waitFrom = performance.now();
         while (ready.length < config.batch.groups || (mode === 'sync' && inflight > 0)) await new Promise<void>((r) => { wake = r; });
+        waitMs += performance.now() - waitFrom;
         const batch = ready.splice(0, config.batch.groups);
         trainedTokens += batch.reduce((n, g) => n + g.tokens, 0);
         if (mode === 'streaming') fill();
+        const trainFrom = performance.now();
         await activity.run(acts.trainStep, { runId, step, refs: batch.flatMap((g) => g.refs), algo: config.algo });
         meter.setPaused(true);
         await activity.run(acts.refit, { runId, version: step });
         meter.setPaused(false);
+        trainMs += performance.now() - trainFrom;
         await activity.run(acts.recordMetrics, { runId, step, metrics: { 'rollout/tokens': batch.reduce((n, g) => n + g.tokens, 0) } });
         if (mode === 'sync' && step < config.train.steps) fill();
       }
       await activity.run(acts.checkpoint, { runId, step: config.train.steps });
       const seconds = (performance.now() - started) / 1000;
       const engineBusy = meter.busyFraction();
+      const n = config.train.steps;
+      const node = process.cpuUsage(cpu0.node);
+      const cpuPerStep = {
+        node: (node.user + node.system) / 1e6 / n, engines: (serviceCpu('engine-') - cpu0.engines) / n, actor: (serviceCpu('actor') - cpu0.actor) / n,
+      };
+      const idlePerStep = coreIdleSeconds().map((s, i) => (s - cpu0.idle[i]) / n);
       while (inflight > 0) await new Promise<void>((r) => { wake = r; }); // let the last groups finish before the stack stops
-      return { seconds, trainedTokens, engineBusy };
+      return { seconds, trainedTokens, engineBusy, waitSeconds: waitMs / 1000 / n, trainSeconds: trainMs / 1000 / n, cpuPerStep, idlePerStep };
     } finally {
       uninstall();
     }
