@@ -27,7 +27,9 @@ export interface ScaleRow {
   workerCpuPerStep: number; // CPU seconds of this process (workflow + activity worker) per step
   serverCpuPerStep: number; // CPU seconds of the Temporal dev server per step
   coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
-  cpuMsPerEpisode: number; // (worker + server CPU) / episodes trained, ms: the orchestration's cost of one episode
+  // (worker + server CPU) / episodes trained between the first and the last step, ms: the orchestration's cost of
+  // one episode in the steady state (the whole run's CPU would count the ramp-up and the groups left in flight)
+  cpuMsPerEpisode: number | null;
   shards: number; // rollout shard workflows the run started (workflows/rollout-pool.ts), all executions
 }
 
@@ -75,7 +77,9 @@ function serverPid(): number {
 }
 
 // Activities with the real signatures and no work behind them.
-function instantActivities(stepTimes: number[]): Activities {
+// When each step was recorded, and the CPU seconds (this process + the server) by then.
+interface StepMark { at: number; cpu: number }
+function instantActivities(stepMarks: StepMark[], cpuNow: () => number): Activities {
   let version = 0;
   return {
     async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
@@ -91,7 +95,7 @@ function instantActivities(stepTimes: number[]): Activities {
     async checkpoint(input) { return { path: `/nowhere/step-${input.step}`, step: input.step }; },
     async claimActor() { return { heldBy: null }; },
     async resumePoint() { return { step: 0, nextGroupIndex: 0, checkpoint: null }; },
-    async recordMetrics(input) { stepTimes[input.step] = performance.now(); return { written: true }; },
+    async recordMetrics(input) { stepMarks[input.step] = { at: performance.now(), cpu: cpuNow() }; return { written: true }; },
     async writeRunConfig() {},
     async evaluate(input) { // not called: the bench recipe has eval.every 0
       return { step: input.step, prompts: 0, samples: 0, greedy_reward: null, sample_reward_mean: 0, 'pass@1': 0, 'pass@n': 0, failed: 0, version_min: version, version_max: version };
@@ -103,8 +107,9 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
   Runtime.install({ logger: new DefaultLogger('WARN') }); // the workers' state changes would drown the bench's own lines
   const env = await TestWorkflowEnvironment.createLocal({ server: { executable: { type: 'existing-path', path: path.join(REPO_ROOT, '.venv', 'bin', 'temporal') } } });
   const server = serverPid();
-  const stepTimes: number[] = [];
-  const activities = instantActivities(stepTimes);
+  const stepMarks: StepMark[] = [];
+  const cpuNow = () => { const c = process.cpuUsage(); return (c.user + c.system) / 1e6 + cpuSeconds(server); };
+  const activities = instantActivities(stepMarks, cpuNow);
   const common = { connection: env.nativeConnection, namespace: env.namespace ?? 'default', shutdownGraceTime: '1 second' as const };
   const workflowBundle = await bundleWorkflowCode({ workflowsPath: path.join(REPO_ROOT, 'workflows', 'index.ts') });
   // As infra/worker.ts sets them up: one optimizer step at a time on the actor queue.
@@ -123,7 +128,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       const config = loadRecipe(RECIPE_DIR, { 'pool.inflight': String(inflight), 'batch.groups': String(batchGroups), 'train.steps': String(n), 'checkpoint.every': '1000' });
       const runId = `scale-${inflight}-${Date.now()}`;
       console.error(`[bench] orchestration scale: ${inflight} groups in flight, ${n} steps`);
-      stepTimes.length = 1; // stepTimes[0] unused: steps count from 1
+      stepMarks.length = 1; // stepMarks[0] unused: steps count from 1
       const cpu0 = { worker: process.cpuUsage(), server: cpuSeconds(server) };
       const started = performance.now();
       const handle = await client.workflow.start(trainRun, { workflowId: runWorkflowId(runId), taskQueue: TASK_QUEUES.control, args: [{ runId, recipeDir: RECIPE_DIR, config }] });
@@ -134,8 +139,8 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       const cpu = process.cpuUsage(cpu0.worker);
       const workerCpu = (cpu.user + cpu.system) / 1e6;
       const serverCpu = cpuSeconds(server) - cpu0.server;
-      const done = stepTimes.length - 1; // steps recorded (stepTimes[s] = when step s was recorded)
-      const wall = (stepTimes[done] - stepTimes[1]) / 1000; // steady state: the first step's ramp-up left out
+      const done = stepMarks.length - 1; // steps recorded (stepMarks[s] = when step s was recorded)
+      const wall = (stepMarks[done]?.at - stepMarks[1]?.at) / 1000; // steady state: the first step's ramp-up left out
       const runs = [];
       for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
       const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
@@ -144,7 +149,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       for await (const w of client.workflow.list({ query: `WorkflowType = 'rolloutShard'` })) {
         if (w.workflowId.startsWith(`${runWorkflowId(runId)}-shard-`)) shards.add(w.workflowId);
       }
-      const episodes = Math.max(done, 1) * batchGroups * config.group_size;
+      const steadyEpisodes = (done - 1) * batchGroups * config.group_size;
       rows.push({
         inflight, batchGroups, steps: Math.max(done, 0), seconds: runSeconds, finished,
         // null when fewer than 2 steps were done within the budget: no steady state to measure
@@ -152,7 +157,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
         stepsPerSecond: done >= 2 ? (done - 1) / wall : null,
         eventsPerStep: runEvents / Math.max(done, 1), eventsPerGroup: runEvents / Math.max(done, 1) / batchGroups,
         workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
-        cpuMsPerEpisode: ((workerCpu + serverCpu) * 1000) / episodes, shards: shards.size,
+        cpuMsPerEpisode: done >= 2 ? ((stepMarks[done].cpu - stepMarks[1].cpu) * 1000) / steadyEpisodes : null, shards: shards.size,
       });
     }
   } finally {
