@@ -177,7 +177,10 @@ export class EpisodeJournal {
             if (!routedCall) this.saveIfDue();
             return false;
           } : undefined);
-          // An engine call that did not stream hands over its ids here.
+          // An engine call that did not stream hands over its ids here (a chunk's schema check does not see them).
+          if (res.logprobs.length !== res.token_ids.length || res.versions.length !== res.token_ids.length) {
+            throw new ServiceError(`engine returned ${res.token_ids.length} tokens but ${res.logprobs.length} logprobs and ${res.versions.length} versions`);
+          }
           for (let i = arrived; i < res.token_ids.length && !stopped; i++) {
             this.stats.generatedTokens++;
             take(res.token_ids[i], res.logprobs[i], res.versions[i], res.routed_experts?.[i]);
