@@ -177,8 +177,9 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   // The groups' activities run in their own scope, cancelled when the run ends (the rest of the
   // run is non-cancellable: see below).
   const groups = new CancellationScope({ cancellable: true });
+  const perWorkflow = input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW; // groups in flight per workflow (rollout-pool.ts)
   const pool = rolloutPool({
-    runId, recipeDir, config: () => config, perWorkflow: input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW, scope: groups,
+    runId, recipeDir, config: () => config, perWorkflow, scope: groups,
     shardHistoryEvents: input.shardHistoryEvents,
     receive, fail: (message) => { fatal ??= message; state = 'stopping'; },
   });
@@ -360,7 +361,6 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
       stepsThisRun++;
       const history = workflowInfo();
-      const perWorkflow = input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW; // see rollout-pool.ts
       const drainEvents = DRAIN_EVENTS_PER_GROUP * Math.min(config.pool.inflight, perWorkflow)
         + DRAIN_EVENTS_PER_SHARD * Math.ceil(Math.max(0, config.pool.inflight - perWorkflow) / perWorkflow);
       const historyFull = history.historyLength + drainEvents >= HISTORY_EVENTS
