@@ -7,8 +7,9 @@ store before anything is sent; one that does not hold the group (it restarted) a
 actor makes a new group.
 
 Weights travel in buckets, broadcast from rank 0, each one flat uint8 tensor: a lone tensor as it is (no copy),
-several small ones packed back to back in spec order into a send buffer kept from one push to the next. An engine
-whose weights lie back to back in the actor's order (flatten) receives every bucket straight into them. Both ends
+several small ones packed back to back in spec order into a send buffer kept from one push to the next, unless they
+lie back to back already (a one-rank actor's, after flatten). An engine whose weights lie back to back in the
+actor's order (flatten) receives every bucket straight into them. Both ends
 keep several buckets on the wire (IN_FLIGHT_BYTES).
 """
 import math
@@ -20,6 +21,7 @@ from typing import Iterable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from contract import NotInGroup, TensorSpec, WeightReceiveRequest
 
@@ -138,16 +140,24 @@ def _in_flight(posted: Iterator[tuple[dist.Work, torch.Tensor, T]]) -> Iterator[
 
 def flatten(model: torch.nn.Module) -> None:
     """Make the model's parameters views of one buffer, back to back in their order (a tied one once), which is the
-    order of its state dict and so of the actor's buckets: each bucket then lands in them straight off the wire
-    (receive_buckets), with no unpacking copy. Left as they are when their dtypes or devices differ."""
+    order of its state dict and so of the actor's buckets. On an engine each bucket then lands in them straight off
+    the wire (receive_buckets), with no unpacking copy; on a one-rank actor each is sent from them, with no packing
+    copy (send_buckets). Left as they are when their dtypes or devices differ, or when they are sharded over ranks.
+    An FSDP2 model must not have run a forward yet: its lazy init takes the new shards up (reset_sharded_param)."""
     params = list(model.parameters())
-    if len({(p.dtype, p.device) for p in params}) != 1:
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]  # no autograd between them
+    if len({(t.dtype, t.device) for t in local}) != 1 or \
+            any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in params):
         return
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    flat = torch.cat([t.reshape(-1) for t in local])
     offset = 0
-    for p in params:
-        p.data = flat[offset:offset + p.numel()].view(p.shape)
-        offset += p.numel()
+    for p, t in zip(params, local):
+        view = flat[offset:offset + t.numel()].view(t.shape)
+        if isinstance(p, DTensor):
+            p._local_tensor = view  # no public setter; what module._apply's `param.data =` reaches for a DTensor
+        else:
+            p.data = view
+        offset += t.numel()
 
 
 def span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -164,8 +174,8 @@ def span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def send_buckets(group: dist.ProcessGroup, buckets: Iterable[list[torch.Tensor]], spare: list | None = None) -> int:
-    """Rank 0: broadcast each bucket (a lone tensor as it is, several packed); pulling the next bucket from
-    `buckets` (a gather, on the actor) and packing it overlap the ones on the wire. Packing goes into buffers taken
+    """Rank 0: broadcast each bucket (a lone tensor, or several lying back to back, as they are; else packed); pulling
+    the next bucket from `buckets` (a gather, on the actor) and packing it overlap the ones on the wire. Packing goes into buffers taken
     from `spare` and put back once sent: the caller keeps them from one push to the next, because a new CPU buffer
     costs a page fault per 4 KB at first touch (135 MB in 16 MB buckets here: 0.069 CPU s to pack, 0.054 kept).
     Returns the bytes sent."""
@@ -173,10 +183,8 @@ def send_buckets(group: dist.ProcessGroup, buckets: Iterable[list[torch.Tensor]]
 
     def posted():
         for tensors in buckets:
-            buffer = None
-            if len(tensors) == 1:
-                flat = _bytes(tensors[0])
-            else:
+            buffer, flat = None, span(tensors)  # a lone tensor, or weights back to back (flatten): sent as they lie
+            if flat is None:
                 n = sum(t.numel() * t.element_size() for t in tensors)
                 fits = [i for i, b in enumerate(spare) if b.numel() >= n and b.device == tensors[0].device]
                 buffer = spare.pop(min(fits, key=lambda i: spare[i].numel())) if fits else \

@@ -4,6 +4,8 @@ import threading
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 
 import weight_transfer
 from conftest import free_port
@@ -41,9 +43,39 @@ def test_buckets_land_in_weights_that_lie_back_to_back():
         assert torch.equal(dict(model.named_parameters())[n], t), n  # the parameters are those views
 
 
-def transfer(sent: dict[str, torch.Tensor], buckets, into: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Send `sent` in `buckets` from rank 0 to rank 1 (a thread) of a gloo group; returns what receive_buckets
-    yielded (not landed in `into`)."""
+def test_a_one_rank_fsdp_model_sends_from_its_weights():
+    """A one-rank actor's weights after flatten: FSDP2 computes with the flat shards, an optimizer step updates them
+    in place, and a push sends every bucket from them, packing nothing."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 5))
+        fully_shard(model[0])
+        fully_shard(model)
+        weight_transfer.flatten(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        model(torch.randn(4, 30)).square().sum().backward()
+        optimizer.step()
+        state = {n: t.to_local() for n, t in model.state_dict().items()}
+        plain = torch.nn.Sequential(torch.nn.Linear(30, 20), torch.nn.LayerNorm(20), torch.nn.Linear(20, 5))
+        plain.load_state_dict(state)
+        x = torch.randn(3, 30)
+        assert torch.allclose(model(x), plain(x))  # the step is in the shards FSDP computes with
+        buckets = plan_buckets(state.items(), 1000)
+        assert {len(b) == 1 for b in buckets} == {True, False}
+        got = transfer(state, buckets, {}, packs=False)
+        assert set(got) == set(state)
+        for n, t in state.items():
+            assert torch.equal(got[n], t), n
+    finally:
+        dist.destroy_process_group()
+
+
+def transfer(sent: dict[str, torch.Tensor], buckets, into: dict[str, torch.Tensor],
+             packs: bool = True) -> dict[str, torch.Tensor]:
+    """Send `sent` in `buckets` from rank 0 to rank 1 (a thread) of a gloo group, packing buckets of several
+    tensors (unless they lie back to back: packs=False); returns what receive_buckets yielded (not landed in
+    `into`)."""
     port, got = free_port(), {}
 
     def engine():
@@ -59,6 +91,6 @@ def transfer(sent: dict[str, torch.Tensor], buckets, into: dict[str, torch.Tenso
         assert send_buckets(group, ([sent[s.name] for s in b] for b in buckets), spare) == sum(
             t.numel() * t.element_size() for t in sent.values())
         kept.append({b.data_ptr() for b in spare})
-    assert kept[0] and kept[1] == kept[0]
+    assert bool(kept[0]) == packs and kept[1] == kept[0]
     receiver.join(timeout=60)
     return got
