@@ -24,7 +24,8 @@ from transformers import DynamicCache
 from weight_transfer import span
 
 
-PACK_MIN = 1 << 17  # oneDNN's call costs ~15 us more than MKL's: on smaller weights (the tiny model's) F.linear won
+PACK_MIN = 1 << 17  # oneDNN's call costs ~15 us more than MKL's: on smaller weights (the tiny model's) F.linear won,
+PACK_ROWS = 512  # except over this many rows and more (a prefill): there oneDNN was 1.2-1.4x faster on them too
 
 
 def supports(model) -> bool:
@@ -32,7 +33,8 @@ def supports(model) -> bool:
     return (type(model).__name__ == "Qwen3ForCausalLM" and config.get_text_config() is config
             and all(layer.self_attn.q_norm.variance_epsilon == layer.self_attn.k_norm.variance_epsilon
                     for layer in model.model.layers)
-            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]))
+            and all(t == "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"])
+            and "dynamic" not in model.model.rotary_emb.rope_type and model.model.rotary_emb.rope_type != "longrope")
 
 
 def fuse(model) -> None:
@@ -75,7 +77,7 @@ def derived(model, key, make):
 
 
 def linear(model, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    if not model.fast_pack or weight.numel() < PACK_MIN:
+    if not model.fast_pack or (weight.numel() < PACK_MIN and len(x) < PACK_ROWS):
         return F.linear(x, weight, bias)
     # the layout's batch-size hint: packed for 16, 64 or 1024 rows ran alike at 8-256 rows (measured)
     packed = derived(model, id(weight), lambda: torch.ops.mkldnn._reorder_linear_weight(weight, 64))
@@ -108,16 +110,30 @@ def append(kv, keys: torch.Tensor, values: torch.Tensor, width: int) -> tuple[to
 
 
 def rms_norm(norm, x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Qwen3RMSNorm's arithmetic, inline (a module call per norm was a tenth of the tiny model's decode step)."""
+    """Qwen3RMSNorm, inline (a module call per norm was a tenth of the tiny model's decode step); in float32 F.rms_norm
+    computes the same (bit for bit on CPU, measured) in one call from Python instead of six."""
+    weight = norm.weight if weight is None else weight
+    if x.dtype == torch.float32:  # weight may be per head [heads, D] (the q/k norms at once), not just [D]
+        return F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon) * weight
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return (norm.weight if weight is None else weight) * h.to(x.dtype)
+    return weight * h.to(x.dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, as transformers' apply_rotary_pos_emb: x [N, heads, D], cos/sin [N, 1, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def rope_table(model) -> torch.Tensor:
+    """[max positions, 2, D]: cos and sin of every position, from the model's rotary module once (its arithmetic is per
+    position, so a row is what it computes per step; `supports` leaves out the rope types that rescale with length),
+    the sin with rotate_half's sign folded in: x * cos + rotate_half(x) * sin = x * cos + roll(x, D/2) * signed sin."""
+    inner = model.model
+    positions = torch.arange(model.config.max_position_embeddings, device=inner.embed_tokens.weight.device)
+    cos, sin = inner.rotary_emb(inner.embed_tokens.weight, positions[None])  # [1, P, D]
+    half = sin.shape[-1] // 2
+    return torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
+
+
+def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, as transformers' apply_rotary_pos_emb: x [N, heads, D], rope [N, 2, D] (rope_table rows)."""
+    return x * rope[:, :1] + x.roll(x.shape[-1] // 2, dims=-1) * rope[:, 1:]
 
 
 def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, cache: DynamicCache,
@@ -132,15 +148,14 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch
     idx = None if bool(flat.all()) else flat.nonzero()[:, 0]  # None: every position is real (a decode step)
     pick = lambda t: t if idx is None else t[idx]  # [B*T, ...] -> [N, ...]
     h = inner.embed_tokens(pick(input_ids.reshape(-1)))  # [N, hidden]
-    cos, sin = inner.rotary_emb(h, pick(positions.reshape(-1))[None])  # [1, N, D]
-    cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
+    rope = derived(model, "rope", lambda: rope_table(model))[pick(positions.reshape(-1))]  # [N, 2, D]
 
     def spread(x: torch.Tensor) -> torch.Tensor:  # [N, heads, D] -> [B, heads, T, D], zeros at padding
         if idx is not None:
             x = x.new_zeros(B * T, *x.shape[1:]).index_copy_(0, idx, x)
         return x.view(B, T, *x.shape[1:]).transpose(1, 2)
 
-    mask = attn_mask
+    mask = None
     for layer, kv in zip(inner.layers, cache.layers):
         attn, mlp = layer.self_attn, layer.mlp
         heads, kv_heads = attn.q_proj.weight.shape[0] // attn.head_dim, attn.k_proj.weight.shape[0] // attn.head_dim
@@ -149,10 +164,11 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch
         # q and k: their norms (each its own weight, the same epsilon) and the rotation in one go
         norm_weight = derived(model, id(attn), lambda: torch.cat([attn.q_norm.weight.expand(heads, -1),
                                                                   attn.k_norm.weight.expand(kv_heads, -1)]))
-        qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), cos, sin)
+        qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), rope)
         keys, values = append(kv, spread(qk[:, heads:]), spread(qkv[:, heads + kv_heads:]), attn_mask.shape[-1])
-        if keys.shape[2] != mask.shape[-1]:  # spare columns: not attended
-            mask = F.pad(attn_mask, (0, keys.shape[2] - attn_mask.shape[-1]))
+        if mask is None:  # once for every layer: additive (SDPA turns a bool mask into one per call); spare columns -inf
+            allowed = F.pad(attn_mask, (0, keys.shape[2] - attn_mask.shape[-1]))
+            mask = torch.zeros(allowed.shape, dtype=keys.dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
         out = F.scaled_dot_product_attention(spread(qk[:, :heads]), keys, values, attn_mask=mask,
                                              scale=attn.scaling, enable_gqa=attn.num_key_value_groups > 1)
         out = pick(out.transpose(1, 2).reshape(B * T, -1))  # [N, heads * D]
