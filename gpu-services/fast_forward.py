@@ -131,24 +131,25 @@ def rope_table(model) -> torch.Tensor:
     return torch.stack([cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)], dim=1)
 
 
-def rotate(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, as transformers' apply_rotary_pos_emb: x [N, heads, D], rope [N, 2, D] (rope_table rows)."""
-    return x * rope[:, :1] + x.roll(x.shape[-1] // 2, dims=-1) * rope[:, 1:]
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, as transformers' apply_rotary_pos_emb: x [N, heads, D], cos/sin [N, 1, D] (rope_table rows)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
 
-def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch.Tensor, cache: DynamicCache,
+def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: Optional[torch.Tensor], cache: DynamicCache,
             attn_mask: torch.Tensor) -> torch.Tensor:
     """Logits [B, V] at the last position of each row. input_ids/positions/real [B, T] (real: bool, False = left
-    padding, which no linear layer sees); cache: this batch's DynamicCache, its T new columns are written after the
+    padding, which no linear layer sees; None: all real, as in a decode step); cache: this batch's DynamicCache, its T new columns are written after the
     `cached` ones (its buffers may have spare columns past them: see append); attn_mask [B, 1, T, cached + T] bool,
     True = may attend."""
     B, T = input_ids.shape
     inner = model.model
-    flat = real.reshape(-1)
-    idx = None if bool(flat.all()) else flat.nonzero()[:, 0]  # None: every position is real (a decode step)
+    flat = None if real is None else real.reshape(-1)
+    idx = None if flat is None or bool(flat.all()) else flat.nonzero()[:, 0]  # None: every position is real
     pick = lambda t: t if idx is None else t[idx]  # [B*T, ...] -> [N, ...]
     h = inner.embed_tokens(pick(input_ids.reshape(-1)))  # [N, hidden]
     rope = derived(model, "rope", lambda: rope_table(model))[pick(positions.reshape(-1))]  # [N, 2, D]
+    cos, sin = rope[:, :1], rope[:, 1:]  # [N, 1, D]
 
     def spread(x: torch.Tensor) -> torch.Tensor:  # [N, heads, D] -> [B, heads, T, D], zeros at padding
         if idx is not None:
@@ -164,7 +165,7 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: torch
         # q and k: their norms (each its own weight, the same epsilon) and the rotation in one go
         norm_weight = derived(model, id(attn), lambda: torch.cat([attn.q_norm.weight.expand(heads, -1),
                                                                   attn.k_norm.weight.expand(kv_heads, -1)]))
-        qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), rope)
+        qk = rotate(rms_norm(attn.q_norm, qkv[:, :heads + kv_heads], norm_weight), cos, sin)
         keys, values = append(kv, spread(qk[:, heads:]), spread(qkv[:, heads + kv_heads:]), attn_mask.shape[-1])
         if mask is None:  # once for every layer: additive (SDPA turns a bool mask into one per call); spare columns -inf
             allowed = F.pad(attn_mask, (0, keys.shape[2] - attn_mask.shape[-1]))

