@@ -199,6 +199,27 @@ def test_fast_forward_matches_the_models_forward(model, packed, flat, monkeypatc
             assert (got - want).abs().max() < 1e-5, (lens, i)
 
 
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+@torch.no_grad()
+def test_fast_forward_rotary_table_only_for_rope_fixed_per_position(rope_type):
+    """fast_forward reads cos/sin from a table made once over every position: right for rope types whose values are
+    fixed per position (linear scaling: equal to the model's forward), not for those that rescale with the length
+    (dynamic: left to the model's own forward)."""
+    import fast_forward
+    from make_tiny_model import model_config
+    from transformers import AutoModelForCausalLM, DynamicCache
+    config = model_config(moe=False)
+    config.rope_parameters = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert fast_forward.supports(model) == (rope_type == "linear")
+    if rope_type == "linear":
+        fast_forward.fuse(model)
+        ids = torch.randint(0, 256, (1, 50), generator=torch.Generator().manual_seed(0))
+        got = fast_forward.forward(model, ids, torch.arange(50)[None], None, DynamicCache(config=config),
+                                   torch.ones(50, 50, dtype=torch.bool).tril()[None, None])
+        assert (got - model(input_ids=ids).logits[:, -1]).abs().max() < 1e-5
+
+
 LONG = {"prompt_token_ids": [1, 2, 3], "stream": True, "sampling": {"max_tokens": 1000, "seed": 5}}
 
 
