@@ -9,8 +9,8 @@ actor makes a new group.
 Weights travel in buckets, broadcast from rank 0, each one flat uint8 tensor: a lone tensor as it is (no copy),
 several small ones packed back to back in spec order into a send buffer kept from one push to the next, unless they
 lie back to back already (a one-rank actor's, after flatten). An engine whose weights lie back to back in the
-actor's order (flatten) receives every bucket straight into them. Both ends
-keep several buckets on the wire (IN_FLIGHT_BYTES).
+actor's order (flatten) receives every bucket straight into them. Both ends keep several buckets on the wire
+(IN_FLIGHT_BYTES).
 """
 import math
 import os
@@ -154,7 +154,7 @@ def flatten(model: torch.nn.Module) -> None:
     for p, t in zip(params, local):
         view = flat[offset:offset + t.numel()].view(t.shape)
         if isinstance(p, DTensor):
-            p._local_tensor = view  # no public setter; what module._apply's `param.data =` reaches for a DTensor
+            p._local_tensor = view  # no public setter (`p.data =` a new DTensor copies it); FSDP2 reads this one
         else:
             p.data = view
         offset += t.numel()
@@ -175,9 +175,10 @@ def span(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 def send_buckets(group: dist.ProcessGroup, buckets: Iterable[list[torch.Tensor]], spare: list | None = None) -> int:
     """Rank 0: broadcast each bucket (a lone tensor, or several lying back to back, as they are; else packed); pulling
-    the next bucket from `buckets` (a gather, on the actor) and packing it overlap the ones on the wire. Packing goes into buffers taken
-    from `spare` and put back once sent: the caller keeps them from one push to the next, because a new CPU buffer
-    costs a page fault per 4 KB at first touch (135 MB in 16 MB buckets here: 0.069 CPU s to pack, 0.054 kept).
+    the next bucket from `buckets` (a gather, on the actor) and packing it overlap the ones on the wire. Packing goes
+    into buffers taken from `spare` and put back once sent: the caller keeps them from one push to the next, because
+    a new CPU buffer costs a page fault per 4 KB at first touch (135 MB in 16 MB buckets here: 0.069 CPU s to pack,
+    0.054 kept).
     Returns the bytes sent."""
     spare = [] if spare is None else spare
 
