@@ -44,6 +44,7 @@ def fuse(model) -> None:
     model.fast_pack = (weight.device.type == "cpu" and weight.dtype == torch.float32
                        and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
     forget(model)
+    model.fast_rope = rope_table(model)  # from the config alone: kept across weight updates
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv = share(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -145,7 +146,7 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, real: Optio
     idx = None if flat is None or bool(flat.all()) else flat.nonzero()[:, 0]  # None: every position is real
     pick = lambda t: t if idx is None else t[idx]  # [B*T, ...] -> [N, ...]
     h = inner.embed_tokens(pick(input_ids.reshape(-1)))  # [N, hidden]
-    rope = derived(model, "rope", lambda: rope_table(model))[pick(positions.reshape(-1))]  # [N, 2, D]
+    rope = model.fast_rope[pick(positions.reshape(-1))]  # [N, 2, D]
     cos, sin = rope[:, :1], rope[:, 1:]  # [N, 1, D]
 
     def spread(x: torch.Tensor) -> torch.Tensor:  # [N, heads, D] -> [B, heads, T, D], zeros at padding
