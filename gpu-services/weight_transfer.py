@@ -145,9 +145,10 @@ def flatten(model: torch.nn.Module) -> None:
     copy (send_buckets). Left as they are when their dtypes or devices differ, or when they are sharded over ranks.
     An FSDP2 model must not have run a forward yet: its lazy init takes the new shards up (reset_sharded_param)."""
     params = list(model.parameters())
+    if any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in params):
+        return
     local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]  # no autograd between them
-    if len({(t.dtype, t.device) for t in local}) != 1 or \
-            any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for p in params):
+    if len({(t.dtype, t.device) for t in local}) != 1:
         return
     flat = torch.cat([t.reshape(-1) for t in local])
     offset = 0
