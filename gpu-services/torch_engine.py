@@ -286,6 +286,7 @@ class TorchEngine:
                 for name, t in receive_buckets(group, req.buckets, self.device, into=self._state):
                     self._state[name].copy_(t)
                 self._set_version(req.version)
+                self._membership.done(req)
         except Exception:
             self._membership.leave()
             raise

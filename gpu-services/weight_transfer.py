@@ -90,6 +90,10 @@ class Membership:
             raise NotInGroup(f"the actor called push {req.seq} off (another engine was not in the group)")
         return self.group
 
+    def done(self, req: WeightReceiveRequest) -> None:
+        """Tell the actor through the store that this push is in: its wait for the HTTP answer costs ~1 ms more."""
+        self.store.set(f"done/{req.seq}/{req.rank}", str(req.version))
+
     def leave(self) -> None:
         """Drop the group (a failed push leaves it in an unknown state; weights loaded otherwise may differ from
         what the actor last sent): the actor's next push finds NotInGroup and makes a new one."""
@@ -101,6 +105,18 @@ class Membership:
 def check_in(store: dist.Store, seq: int, world_size: int) -> bool:
     """Rank 0, kept group: whether every engine has checked in for push seq (see Membership.group_for)."""
     return store.check([f"ready/{seq}/{r}" for r in range(1, world_size)])
+
+
+def done_versions(store: dist.Store, seq: int, answers: list) -> list[int] | None:
+    """Rank 0: each engine's version once all hold push seq, from its HTTP answer (a Future) where it has come, else
+    from the store (Membership.done; an engine that does not say so there is waited for on HTTP); None till then.
+    An answer that failed raises."""
+    keys = [f"done/{seq}/{rank}" for rank in range(1, len(answers) + 1)]
+    if any(a.done() and a.exception() for a in answers):
+        raise next(a.exception() for a in answers if a.done() and a.exception())
+    if not store.check([k for k, a in zip(keys, answers) if not a.done()]):
+        return None
+    return [a.result() if a.done() else int(store.get(k)) for k, a in zip(keys, answers)]
 
 
 # Bytes kept on the wire at once. A receiver that posts bucket k+1 only once k has landed costs each bucket a
