@@ -163,9 +163,12 @@ export class EpisodeJournal {
         // sample more than a save interval's tokens: a short call (an Env turn of a few dozen tokens) is
         // one plain reply, not a JSON line per decode step to write, parse and check at both ends.
         const stream = onToken !== undefined || maxTokens - have > this.every.tokens;
+        // Streamed for the saves alone, the tokens come in chunks of a quarter of the save interval: a chunk per
+        // decode step cost the engine's event loop and this process more CPU than the tiny model's decode.
+        const chunk = stream && onToken === undefined ? { stream_chunk: Math.ceil(this.every.tokens / 4) } : {};
         try {
           const res = await engine({
-            ...body,
+            ...body, ...chunk,
             prompt_token_ids: [...body.prompt_token_ids, ...current.token_ids],
             sampling: { ...body.sampling, max_tokens: maxTokens - have, ...(seed === undefined ? {} : { seed }) },
           }, stream ? (chunk) => {

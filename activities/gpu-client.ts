@@ -26,6 +26,7 @@ export interface SamplingParams {
 }
 export interface GenerateRequest {
   prompt_token_ids: number[]; sampling: SamplingParams; request_id?: string; stream?: boolean; return_routed_experts?: boolean;
+  stream_chunk?: number; // a streamed reply's tokens may be held until this many are ready (the torch engine's chunks)
   images?: string[]; // vision-language models: processed image files (ImageResponse.path), in placeholder order
 }
 export interface ImageRequest { data: string; dir: string } // base64 of the file; where the processed tensors go

@@ -130,7 +130,8 @@ export const RecipeConfig = z.strictObject({
     max_failed_fraction: z.number().min(0).max(1).default(0.5)
       .describe('a group with more failed episodes than this fraction fails the run'),
     // The episode journal (activities/episode-journal.ts) saves the call in progress every this many
-    // sampled tokens; a killed rollout worker regenerates at most this many tokens per unfinished episode.
+    // sampled tokens; a killed rollout worker regenerates at most this many tokens per unfinished episode,
+    // and the tokens of one engine chunk (a quarter of it) more.
     partial_tokens: z.number().int().positive().default(64)
       .describe('the journal of an episode in progress is saved every this many sampled tokens'),
     // ... or every this many seconds, whichever comes first (a slow engine loses seconds of work).

@@ -34,6 +34,9 @@ class GenerateRequest(Strict):
     sampling: SamplingParams = SamplingParams()
     request_id: Optional[str] = None
     stream: bool = False  # true: NDJSON lines of GenerateChunk, the last one carries finish_reason
+    # A streamed reply's tokens may be held until this many are ready (or it ends): fewer chunks to hand over, write
+    # and parse when the reader needs no token at once (the episode journal). The torch engine does; vLLM's sends each.
+    stream_chunk: int = Field(1, ge=1)
     return_routed_experts: bool = False  # MoE: per sampled token, the experts of every layer (see GenerateResponse)
     # vision-language models: processed image files (ImageResponse.path), in the order of their placeholder runs
     images: list[str] = []

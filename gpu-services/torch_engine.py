@@ -11,7 +11,7 @@ are the engine's whole point for RL, so the scheduler below is our own, kept sma
   -> one left-padded prefill forward over newly admitted sequences -> sample one token per
   sequence with its own torch.Generator -> merge the new sequences' KV into the batch -> drop
   finished ones -> hand the step's events to the HTTP event loop in one call (streaming requests get
-  their new tokens, the others one event when they finish).
+  their new tokens once stream_chunk are new, the others one event when they finish).
 
 Weights change only under `_model_lock`, which the thread holds for a whole step, so a swap never
 lands mid-forward, and every token records the version it was sampled under. After a swap the
@@ -61,6 +61,7 @@ class Sequence:
     loop: asyncio.AbstractEventLoop  # of the HTTP handler waiting on this request
     events: asyncio.Queue  # its events, put there only on `loop` (see TorchEngine._flush)
     stream: bool = False  # False: one event at the end, with every token
+    stream_chunk: int = 1  # streamed: an event once this many tokens are new (or at the end)
     return_routed_experts: bool = False
     images: list[dict] = field(default_factory=list)  # processed images (vision.load_image), in placeholder order
     rope_delta: int = 0  # M-RoPE: position of the next token minus its index (images take fewer positions)
@@ -207,7 +208,7 @@ class TorchEngine:
         seq = Sequence(request_id=req.request_id or f"{self._rng.getrandbits(64):016x}",
                        prompt=list(req.prompt_token_ids), sampling=req.sampling,
                        generator=torch.Generator().manual_seed(seed), loop=asyncio.get_running_loop(),
-                       events=asyncio.Queue(), stream=req.stream,
+                       events=asyncio.Queue(), stream=req.stream, stream_chunk=req.stream_chunk,
                        return_routed_experts=req.return_routed_experts, images=images)
         with self._cv:
             if seq.request_id in self._live:
@@ -479,7 +480,7 @@ class TorchEngine:
                 seq.finish_reason = "stop"
             elif len(seq.tokens) >= seq.sampling.max_tokens or len(seq.prompt) + len(seq.tokens) >= self.max_len:
                 seq.finish_reason = "length"
-            if seq.stream or seq.finish_reason:
+            if seq.finish_reason or seq.stream and len(seq.tokens) - seq.sent >= seq.stream_chunk:
                 self._outbox.append(seq)
 
     def _merge(self, seqs: list[Sequence], cache: DynamicCache, mask: torch.Tensor) -> None:

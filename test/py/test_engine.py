@@ -131,6 +131,21 @@ def test_streaming_equals_non_streaming(engine):
     assert chunks[-1]["finish_reason"] == "length" and all(c["finish_reason"] is None for c in chunks[:-1])
 
 
+def test_stream_chunk_holds_tokens_until_that_many_are_new(engine):
+    """A streamed reply with stream_chunk=4 gets its 10 tokens as 4 + 4 + 2 (the last with the finish reason): the
+    scheduler hands a chunk over once it has 4 new tokens, so a reader that keeps up sees no smaller one."""
+    body = {"prompt_token_ids": [3, 1, 4, 1, 5], "sampling": {"max_tokens": 10, "seed": 7}}
+    whole = client(engine).post("/generate", json=body).json()
+    with client(engine).stream("POST", "/generate", json={**body, "stream": True, "stream_chunk": 4}) as r:
+        chunks = [json.loads(line) for line in r.iter_lines() if line]
+    assert [t for c in chunks for t in c["token_ids"]] == whole["token_ids"]
+    assert [x for c in chunks for x in c["versions"]] == whole["versions"]
+    sizes = [len(c["token_ids"]) for c in chunks]
+    assert all(n % 4 == 0 for n in sizes[:-1]) and sum(sizes) == 10 and chunks[-1]["finish_reason"] == "length", sizes
+    bad = client(engine).post("/generate", json={**body, "stream": True, "stream_chunk": 0})
+    assert bad.status_code == 400 and "stream_chunk" in bad.json()["error"]
+
+
 def test_events_come_in_chunks_not_one_per_token(tiny_model):
     """In process (the HTTP layer writes one line per event): a non-streaming request gets one event with every
     token; a streaming reader that falls behind gets every waiting token in one event, not one per token."""
