@@ -153,7 +153,10 @@ export class ChatSession {
       const seed = sampling.seed === undefined || i === 0 ? sampling.seed : deriveSeed(sampling.seed, i);
       const text = new SampleText(this, req.stop, req.parseTools, onText && ((delta) => onText(i, delta)));
       const params = { ...sampling, ...(seed === undefined ? {} : { seed }) };
-      const gen: Generation = remaining > 0 ? await generate(this.id, prompt, params, (id) => text.push(id), images)
+      // The ids one at a time only where something reads them as they come (a stop string, a streaming client):
+      // a generate that need not stream for them sends far fewer chunks (activities/episode-journal.ts).
+      const gen: Generation = remaining > 0
+        ? await generate(this.id, prompt, params, text.readsIds ? (id) => text.push(id) : undefined, images)
         : { token_ids: [], logprobs: [], versions: [], finish_reason: 'length' };
       samples.push(text.finish(gen));
     }
@@ -281,6 +284,11 @@ class SampleText {
 
   constructor(private readonly session: ChatSession, private readonly stops: string[], private readonly tools: boolean,
     private readonly onText?: (delta: string) => void) {}
+
+  // Whether a sampled id is read at once (for a stop string, or for the client's stream); else finish() takes them.
+  get readsIds(): boolean {
+    return this.stops.length > 0 || this.onText !== undefined;
+  }
 
   // One sampled id; true when it completes a stop string (the generation ends with it).
   push(id: number): boolean {

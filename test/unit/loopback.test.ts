@@ -382,3 +382,25 @@ test('n > 1 on the engine; a replayed journal gives identical requests their own
   expect(replayed.stats).toMatchObject({ replayedCalls: 4, generatedTokens: 0 });
   expect(b).toEqual(a);
 });
+
+test('the session asks for ids one at a time only when something reads them as they come', async () => {
+  // A generate given onToken streams from the engine, a chunk per token; without a stop string or a streaming
+  // client nothing reads them before the reply ends, so it is not given one.
+  const calls: Call[] = [];
+  const readers: boolean[] = [];
+  const engine = recordingEngine(calls);
+  const session = server.openSession({
+    template, maxContext: 1024, defaults: { ...SAMPLING, stop_token_ids: template.endOfTurnIds() },
+    generate: (id, prompt, sampling, onToken, images) => {
+      readers.push(onToken !== undefined);
+      return engine(id, prompt, sampling, onToken, images);
+    },
+  });
+  const { openaiBaseURL } = server.urls(session);
+  const client = new OpenAI({ baseURL: openaiBaseURL, apiKey: session.apiKey, maxRetries: 0 });
+  const messages: OpenAI.ChatCompletionMessageParam[] = [{ role: 'user', content: 'Hi.' }];
+  await client.chat.completions.create({ model: 'policy', messages, seed: 1 });
+  await client.chat.completions.create({ model: 'policy', messages, seed: 2, stop: ['a'] });
+  for await (const _ of await client.chat.completions.create({ model: 'policy', messages, seed: 3, stream: true })) { /* read it all */ }
+  expect(readers).toEqual([false, true, true]);
+});
