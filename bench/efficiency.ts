@@ -3,6 +3,10 @@
 //   ideal = sync tokens/s x (gen + train) / max(gen, train),
 // gen and train being the sync loop's own mean generation time per batch and train + refit time per
 // step. Engines on CPU 0, actor on CPU 1; streaming and sync alternate `--reps` times, medians shown.
+// Also at the steady rate, the same ratio over the steps after the first WARM_STEPS: a run of days sees
+// the streaming loop there, while a short one pays for filling its pool, groups generated and never
+// trained by its last step (up to pool.inflight in flight and batch.groups ready: up to 40 groups against
+// the 128 trained in 8 steps of the 3x-generation workload).
 //
 //   npx tsx bench/efficiency.ts [--workload heavier|gen3x] [--steps 6] [--reps 2] [--streaming-only]
 import { loadRecipe } from '../agents/recipe';
@@ -17,13 +21,25 @@ export const WORKLOADS: Record<string, Record<string, string>> = {
 
 export interface Efficiency {
   streamingTokensPerSecond: number; syncTokensPerSecond: number; gen: number; train: number; ideal: number; efficiency: number;
+  steadyStreaming: number; steadySync: number; steadyIdeal: number; steadyEfficiency: number; // NaN with too few steps
 }
+
+export const WARM_STEPS = 2;
+// Tokens trained per second from the end of step WARM_STEPS to the end of the last step.
+const steadyRate = (r: LoopResult) => {
+  const [ends, tokens] = [r.stepEnds!, r.stepTokens!];
+  return tokens.slice(WARM_STEPS).reduce((a, b) => a + b, 0) / (ends[ends.length - 1] - ends[WARM_STEPS - 1]);
+};
 
 export const efficiencyOf = (streaming: LoopResult, sync: LoopResult): Efficiency => {
   const [s, y] = [streaming.trainedTokens / streaming.seconds, sync.trainedTokens / sync.seconds];
   const [gen, train] = [sync.waitSeconds!, sync.trainSeconds!];
-  const ideal = (y * (gen + train)) / Math.max(gen, train);
-  return { streamingTokensPerSecond: s, syncTokensPerSecond: y, gen, train, ideal, efficiency: s / ideal };
+  const overlap = (gen + train) / Math.max(gen, train);
+  const [steadyStreaming, steadySync] = [steadyRate(streaming), steadyRate(sync)];
+  return {
+    streamingTokensPerSecond: s, syncTokensPerSecond: y, gen, train, ideal: y * overlap, efficiency: s / (y * overlap),
+    steadyStreaming, steadySync, steadyIdeal: steadySync * overlap, steadyEfficiency: steadyStreaming / (steadySync * overlap),
+  };
 };
 
 const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];
@@ -50,7 +66,8 @@ async function main() {
     const e = efficiencyOf(streaming, sync);
     rows.push(e);
     console.error(`[efficiency] ${workload} run ${rep}: streaming ${e.streamingTokensPerSecond.toFixed(0)} / ideal ${e.ideal.toFixed(0)} `
-      + `(sync ${e.syncTokensPerSecond.toFixed(0)}, gen ${e.gen.toFixed(2)} s, train ${e.train.toFixed(2)} s) = ${e.efficiency.toFixed(3)}`);
+      + `(sync ${e.syncTokensPerSecond.toFixed(0)}, gen ${e.gen.toFixed(2)} s, train ${e.train.toFixed(2)} s) = ${e.efficiency.toFixed(3)}; `
+      + `steady (after step ${WARM_STEPS}): ${e.steadyStreaming.toFixed(0)} / ${e.steadyIdeal.toFixed(0)} (sync ${e.steadySync.toFixed(0)}) = ${e.steadyEfficiency.toFixed(3)}`);
   }
   if (!rows.length) return;
   const m = (k: keyof Efficiency) => median(rows.map((r) => r[k]));

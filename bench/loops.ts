@@ -26,6 +26,8 @@ export interface LoopResult {
   // training + refitting it; CPU seconds of this process, of the engines and of the actor; idle
   // seconds of each core (/proc/stat) over the run.
   waitSeconds?: number; trainSeconds?: number;
+  // Plain loops only: when each step ended (seconds from the start) and the tokens it trained.
+  stepEnds?: number[]; stepTokens?: number[];
   cpuPerStep?: { node: number; engines: number; actor: number }; idlePerStep?: number[];
   // Temporal loop only: CPU seconds burnt while it ran by the Temporal dev server and by the worker
   // that runs the loop's workflow tasks (control + actor queues): the orchestration's own cost.
@@ -163,6 +165,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
     const serviceCpu = (prefix: string) => pids.filter(([n]) => n.startsWith(prefix)).reduce((s, [, p]) => s + treeCpuSeconds(p.pid!), 0);
     const cpu0 = { node: process.cpuUsage(), engines: serviceCpu('engine-'), actor: serviceCpu('actor'), idle: coreIdleSeconds() };
     let [waitMs, trainMs] = [0, 0];
+    const [stepEnds, stepTokens]: number[][] = [[], []];
     try {
       const started = performance.now();
       fill();
@@ -180,6 +183,8 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
         meter.setPaused(false);
         trainMs += performance.now() - trainFrom;
         await activity.run(acts.recordMetrics, { runId, step, metrics: { 'rollout/tokens': batch.reduce((n, g) => n + g.tokens, 0) } });
+        stepEnds.push((performance.now() - started) / 1000);
+        stepTokens.push(batch.reduce((n, g) => n + g.tokens, 0));
         if (mode === 'sync' && step < config.train.steps) fill();
       }
       await activity.run(acts.checkpoint, { runId, step: config.train.steps });
@@ -192,7 +197,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
       };
       const idlePerStep = coreIdleSeconds().map((s, i) => (s - cpu0.idle[i]) / n);
       while (inflight > 0) await new Promise<void>((r) => { wake = r; }); // let the last groups finish before the stack stops
-      return { seconds, trainedTokens, engineBusy, waitSeconds: waitMs / 1000 / n, trainSeconds: trainMs / 1000 / n, cpuPerStep, idlePerStep };
+      return { seconds, trainedTokens, engineBusy, waitSeconds: waitMs / 1000 / n, trainSeconds: trainMs / 1000 / n, cpuPerStep, idlePerStep, stepEnds, stepTokens };
     } finally {
       uninstall();
     }

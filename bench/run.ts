@@ -106,7 +106,7 @@ async function main() {
         workload: w.name, inflight: pool, streamingBusy: streaming.engineBusy!, syncBusy: sync.engineBusy!, busyRatio: streaming.engineBusy! / sync.engineBusy!,
         streamingTokensPerSecond: streaming.trainedTokens / streaming.seconds, syncTokensPerSecond: sync.trainedTokens / sync.seconds,
         throughputRatio: (streaming.trainedTokens / streaming.seconds) / (sync.trainedTokens / sync.seconds),
-        ...(({ gen, train, ideal, efficiency }) => ({ gen, train, ideal, efficiency }))(efficiencyOf(streaming, sync)),
+        ...(({ gen, train, ideal, efficiency, steadyEfficiency }) => ({ gen, train, ideal, efficiency, steadyEfficiency }))(efficiencyOf(streaming, sync)),
       });
       save();
     }
@@ -135,7 +135,7 @@ interface Report {
   utilization: {
     workload: string; inflight: number; streamingBusy: number; syncBusy: number; busyRatio: number;
     streamingTokensPerSecond: number; syncTokensPerSecond: number; throughputRatio: number;
-    gen: number; train: number; ideal: number; efficiency: number;
+    gen: number; train: number; ideal: number; efficiency: number; steadyEfficiency: number;
   }[];
   partial: PartialResult[];
   scale: ScaleRow[];
@@ -144,7 +144,7 @@ interface Report {
 }
 
 function render(report: Report, partialOptions: PartialOptions, smoke: boolean): string {
-  const f = (x: number | null, d = 0) => (x === null ? '-' : x.toFixed(d));
+  const f = (x: number | null, d = 0) => (x === null || Number.isNaN(x) ? '-' : x.toFixed(d)); // NaN: too few steps
   const [keep, abort] = report.partial;
   return [
     '# Molt benchmarks', '',
@@ -155,10 +155,10 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     ...report.orchestration.map((r) => `| ${r.workload} | ${r.inflight} | ${r.steps} | ${r.runs} | ${f(r.plainMsPerStep)} | ${f(r.temporalMsPerStep)} | ${f(r.addedMsPerStep)} | ${f(r.ratio, 2)} | ${r.ratios.map((x) => f(x, 2)).join(', ')} | ${f(r.serverCpuPerStep, 3)} | ${f(r.controlWorkerCpuPerStep, 3)} | ${f((r.serverCpuPerStep * 1000) / r.batchGroups, 1)} + ${f((r.controlWorkerCpuPerStep * 1000) / r.batchGroups, 1)} |`),
     ...(report.drain ? ['', `Continue-as-new drains the pool first (${report.drain.workload}, ${report.drain.inflight} in flight): with continue-as-new every ${report.drain.every} steps (${report.drain.continueAsNew} in ${report.drain.steps} steps) ${f(report.drain.msPerStep)} ms/step against ${f(report.drain.withoutMsPerStep)} without, ${f(report.drain.addedMsPerContinueAsNew)} ms per continue-as-new. A real run continues as new when Temporal suggests it: every few thousand history events.`] : []),
     '', '## 2. Engine utilization: streaming pool vs synchronous (generate, then train, then generate), plain loops, same config', '',
-    'Engines pinned to CPU 0 and the actor to CPU 1 in both (on a cluster each has its own GPU). Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side). Ideal = the sync rate x (gen + train) / max(gen, train), gen and train being the sync loop\'s own mean seconds per batch generated and per step trained + refit; efficiency = streaming / ideal (bench/efficiency.ts runs this part alone).', '',
-    '| workload | groups in flight | busy streaming | busy sync | ratio | trained tok/s streaming | trained tok/s sync | ratio | sync gen / train s | ideal tok/s | efficiency |',
-    '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...report.utilization.map((r) => `| ${r.workload} | ${r.inflight} | ${f(r.streamingBusy, 2)} | ${f(r.syncBusy, 2)} | ${f(r.busyRatio, 2)} | ${f(r.streamingTokensPerSecond)} | ${f(r.syncTokensPerSecond)} | ${f(r.throughputRatio, 2)} | ${f(r.gen, 2)} / ${f(r.train, 2)} | ${f(r.ideal)} | ${f(r.efficiency, 2)} |`),
+    'Engines pinned to CPU 0 and the actor to CPU 1 in both (on a cluster each has its own GPU). Busy = fraction of wall time each engine has a /generate request in flight, refit pauses excluded (measured client-side). Ideal = the sync rate x (gen + train) / max(gen, train), gen and train being the sync loop\'s own mean seconds per batch generated and per step trained + refit; efficiency = streaming / ideal; steady: the same over the steps after the second, without the pool\'s fill (bench/efficiency.ts runs this part alone).', '',
+    '| workload | groups in flight | busy streaming | busy sync | ratio | trained tok/s streaming | trained tok/s sync | ratio | sync gen / train s | ideal tok/s | efficiency | steady efficiency |',
+    '|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...report.utilization.map((r) => `| ${r.workload} | ${r.inflight} | ${f(r.streamingBusy, 2)} | ${f(r.syncBusy, 2)} | ${f(r.busyRatio, 2)} | ${f(r.streamingTokensPerSecond)} | ${f(r.syncTokensPerSecond)} | ${f(r.throughputRatio, 2)} | ${f(r.gen, 2)} / ${f(r.train, 2)} | ${f(r.ideal)} | ${f(r.efficiency, 2)} | ${f(r.steadyEfficiency, 2)} |`),
     '', `## 3. Partial rollouts: ${partialOptions.requests} generations of ${partialOptions.maxTokens} tokens, a refit every ${partialOptions.intervalMs} ms (at most ${partialOptions.refits})`, '',
     'abort is the baseline without partial rollouts: an aborted generation is regenerated from scratch.', '',
     '| pause mode | refits | useful tokens | discarded tokens | regenerated | most versions in one generation | seconds |', '|---|---:|---:|---:|---:|---:|---:|',
