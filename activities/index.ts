@@ -7,7 +7,7 @@ import { evaluate, type EvaluateInput } from './evaluate';
 import { ServiceError } from './gpu-client';
 import { recordMetrics, type RecordMetricsInput } from './metrics';
 import { rolloutGroup } from './rollout';
-import { writeRunConfig, type RunConfigInput } from './run-folder';
+import { readRunConfig, writeRunConfig, type RunConfigInput } from './run-folder';
 import type { CheckpointInput, ClaimInput, RefitInput, RolloutGroupInput, ServiceEndpoints, SftStepInput, TrainStepInput } from './types';
 
 // A body the service rejects as malformed (400) or a wrong token (401) fails the same way on every
@@ -26,7 +26,10 @@ export function createActivities(endpoints: ServiceEndpoints) {
   const pools = Object.fromEntries(Object.entries(endpoints.pools ?? {})
     .map(([name, urls]) => [name, new EngineRouter(urls, endpoints.token)]));
   return {
-    rolloutGroup: (input: RolloutGroupInput) => failFast(rolloutGroup(endpoints, router, input, pools)),
+    rolloutGroup: async (input: RolloutGroupInput) => {
+      const { recipeDir, config } = await readRunConfig(endpoints.storeRoot, input.runId);
+      return failFast(rolloutGroup(endpoints, router, { ...input, recipeDir, config }, pools));
+    },
     trainStep: (input: TrainStepInput) => failFast(trainStep(endpoints, input)),
     sftStep: (input: SftStepInput) => failFast(sftStep(endpoints, input)),
     refit: (input: RefitInput) => failFast(refit(endpoints, input)),

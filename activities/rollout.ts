@@ -22,7 +22,7 @@ import { tokenizerFor } from '../agents/tokenizer';
 import { EpisodeJournal, journalKey, readJournal } from './episode-journal';
 import { ServiceError, type GenerateRequest, type GenerateResponse } from './gpu-client';
 import { trajectoryKey, writeTrajectory, type Trajectory } from './store';
-import type { EpisodeSample, GroupResult, RolloutGroupInput, ServiceEndpoints } from './types';
+import type { EpisodeSample, GroupResult, ResolvedGroupInput, ServiceEndpoints } from './types';
 
 interface EpisodeRecord {
   refs: string[];
@@ -125,7 +125,7 @@ export function episodeFailure(e: Error, recipe: string, modulePath: string, gro
   return `recipe ${recipe} (${shown}), group ${groupIndex} episode ${episode}: ${e.message}`;
 }
 
-export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: RolloutGroupInput,
+export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRouter, input: ResolvedGroupInput,
   pools: Record<string, EngineRouter> = {}): Promise<GroupResult> {
   const started = Date.now();
   const ctx = Context.current();

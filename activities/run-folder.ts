@@ -34,6 +34,16 @@ export interface RunConfigInput { runId: string; recipeDir: string; config: Reci
 export async function writeRunConfig(storeRoot: string, input: RunConfigInput): Promise<void> {
   await writeFileAtomic(runConfigPath(storeRoot, input.runId), `${JSON.stringify(input, null, 2)}\n`);
 }
+// What a group's activity runs with (activities/types.ts, RolloutGroupInput). A `set` rewrites the file, but
+// only with settings the actor and the loop use, never the rollout's.
+export async function readRunConfig(storeRoot: string, runId: string): Promise<RunConfigInput> {
+  const file = runConfigPath(storeRoot, runId);
+  const text = await fs.readFile(file, 'utf8').catch((e: NodeJS.ErrnoException) => {
+    throw new Error(`run ${runId}: cannot read its config ${file} (${e.code ?? e.message}); the run writes it before it `
+      + `starts groups, so this worker's store root (${storeRoot}) must be the control worker's`);
+  });
+  return JSON.parse(text) as RunConfigInput;
+}
 
 // Entries of `dir` named like `pattern` (one numeric capture), with their numbers; none if it is missing.
 async function numbered(dir: string, pattern: RegExp): Promise<{ name: string; n: number }[]> {

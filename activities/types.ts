@@ -3,12 +3,18 @@
 import type { AlgoConfig, RecipeConfig } from '../agents/recipe';
 import type { GcPolicy, GcResult } from './run-folder';
 
+// A group's activity input names the group only. Its run's config comes from <run>/config.json, which
+// the run writes before it starts any group: sent with each of thousands of groups, the ~1 KB config was
+// most of a group's history bytes and ~40% of the orchestration's CPU (bench/ item 4).
 export interface RolloutGroupInput {
   runId: string;
   groupIndex: number; // the prompt group: all G episodes of a group get the same task
+  engines?: string[]; // the engines the run had when the group started (default: the worker's)
+}
+// The same with the run's config, as the rollout runs it.
+export interface ResolvedGroupInput extends RolloutGroupInput {
   recipeDir: string; // absolute path of the recipe folder (its agent module is loaded from there)
   config: RecipeConfig; // resolved config
-  engines?: string[]; // the engines the run had when the group started (default: the worker's)
 }
 
 export interface GroupResult {

@@ -141,6 +141,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
     const acts = createActivities({ engines: stack.engines, actor: stack.actor, token: stack.token, storeRoot: stack.storeRoot });
     const activity = new MockActivityEnvironment(); // an activity context outside a worker (heartbeats go nowhere)
     const runId = `bench-plain-${mode}-${Date.now()}`;
+    await acts.writeRunConfig({ runId, recipeDir: RECIPE_DIR, config }); // the groups read it, as in a run
     const poolSize = mode === 'sync' ? config.batch.groups : config.pool.inflight;
     const ready: GroupResult[] = [];
     let inflight = 0;
@@ -150,7 +151,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
     const fill = () => {
       while (inflight < poolSize && ready.length < config.batch.groups) {
         inflight++;
-        const input = { runId, groupIndex: nextGroup++, recipeDir: RECIPE_DIR, config };
+        const input = { runId, groupIndex: nextGroup++ };
         void (new MockActivityEnvironment().run(acts.rolloutGroup, input) as Promise<GroupResult>).then((r) => {
           inflight--;
           ready.push(r);

@@ -167,9 +167,9 @@ function render(report: Report, partialOptions: PartialOptions, smoke: boolean):
     '', '## 4. Orchestration scale: real workflows on the dev server, instant activities (no model work), batch = in flight / 2 (at most 2,048 groups)', '',
     'Past 256 groups in flight the pool runs the rest in rollout shards (child workflows of 256 groups each, workflows/rollout-pool.ts); the run\'s history counts its own events only.', '',
     'Trajectories/s over the steps after the first; a size cut off at its time budget is measured on the steps it did.', '',
-    '| groups in flight | rollout shards | steps done | finished | seconds | trajectories/s | steps/s | run history events/step | run events/group trained | worker CPU s/step | server CPU s/step | CPU ms/episode (server + worker) | cores busy |',
-    '|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
-    ...report.scale.map((r) => `| ${r.inflight} | ${r.shards} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.eventsPerStep)} | ${f(r.eventsPerGroup, 1)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.cpuMsPerEpisode, 2)} | ${f(r.coresBusy, 2)} |`),
+    '| groups in flight | rollout shards | steps done | finished | seconds | trajectories/s | steps/s | run history events/step | run events/group trained | run history bytes/group trained | worker CPU s/step | server CPU s/step | CPU ms/episode (server + worker) | cores busy |',
+    '|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|',
+    ...report.scale.map((r) => `| ${r.inflight} | ${r.shards} | ${r.steps} | ${r.finished ? 'yes' : 'no'} | ${f(r.seconds)} | ${f(r.trajectoriesPerSecond)} | ${f(r.stepsPerSecond, 2)} | ${f(r.eventsPerStep)} | ${f(r.eventsPerGroup, 1)} | ${f(r.historyBytesPerGroup)} | ${f(r.workerCpuPerStep, 2)} | ${f(r.serverCpuPerStep, 2)} | ${f(r.cpuMsPerEpisode, 2)} | ${f(r.coresBusy, 2)} |`),
     '', '## 5. Engine and refit (bench/engine.py)', '', report.engineMarkdown ?? '(not run yet)\n',
   ].join('\n');
 }

@@ -10,7 +10,7 @@ import { TestWorkflowEnvironment } from '@temporalio/testing';
 import { bundleWorkflowCode, DefaultLogger, Runtime, Worker } from '@temporalio/worker';
 import type { Activities } from '../activities';
 import type { GroupResult, RolloutGroupInput } from '../activities/types';
-import { loadRecipe, REPO_ROOT } from '../agents/recipe';
+import { loadRecipe, REPO_ROOT, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { RECIPE_DIR } from './loops';
 
@@ -24,6 +24,7 @@ export interface ScaleRow {
   stepsPerSecond: number | null;
   eventsPerStep: number; // trainRun history events (all runs of its continue-as-new chain) / steps
   eventsPerGroup: number; // the same per group trained (events per step / batch.groups)
+  historyBytesPerGroup: number; // trainRun history bytes per group trained
   workerCpuPerStep: number; // CPU seconds of this process (workflow + activity worker) per step
   serverCpuPerStep: number; // CPU seconds of the Temporal dev server per step
   coresBusy: number; // (worker + server CPU) / wall time of the whole run: 2 = both cores of this machine
@@ -81,12 +82,14 @@ function serverPid(): number {
 interface StepMark { at: number; cpu: number }
 function instantActivities(stepMarks: StepMark[], cpuNow: () => number): Activities {
   let version = 0;
+  const configs = new Map<string, RecipeConfig>(); // as writeRunConfig left them: the real activity reads <run>/config.json
   return {
     async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
-      const g = input.config.group_size;
+      const config = configs.get(input.runId)!;
+      const g = config.group_size;
       return {
         groupIndex: input.groupIndex, refs: Array.from({ length: g }, (_, e) => `${input.runId}/g${input.groupIndex}/e${e}`),
-        rewards: Array(g).fill(0.5), failed: 0, tokens: g * input.config.sampling.max_tokens, minVersion: version, maxVersion: version, seconds: 0,
+        rewards: Array(g).fill(0.5), failed: 0, tokens: g * config.sampling.max_tokens, minVersion: version, maxVersion: version, seconds: 0,
       };
     },
     async trainStep(input) { return { step: input.step, version: input.step, replayed: false, metrics: { pg_loss: 0 } }; },
@@ -96,7 +99,7 @@ function instantActivities(stepMarks: StepMark[], cpuNow: () => number): Activit
     async claimActor() { return { heldBy: null }; },
     async resumePoint() { return { step: 0, nextGroupIndex: 0, checkpoint: null }; },
     async recordMetrics(input) { stepMarks[input.step] = { at: performance.now(), cpu: cpuNow() }; return { written: true }; },
-    async writeRunConfig() {},
+    async writeRunConfig(input) { configs.set(input.runId, input.config); },
     async evaluate(input) { // not called: the bench recipe has eval.every 0
       return { step: input.step, prompts: 0, samples: 0, greedy_reward: null, sample_reward_mean: 0, 'pass@1': 0, 'pass@n': 0, failed: 0, version_min: version, version_max: version };
     },
@@ -143,8 +146,10 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
       const wall = (stepMarks[done]?.at - stepMarks[1]?.at) / 1000; // steady state: the first step's ramp-up left out
       const runs = [];
       for await (const w of client.workflow.list({ query: `WorkflowId = '${runWorkflowId(runId)}'` })) runs.push(w);
-      const runEvents = (await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).fetchHistory())))
-        .reduce((a, h) => a + (h.events?.length ?? 0), 0);
+      // From the server's count (a fetched history of thousands of groups can pass gRPC's 4 MB per message).
+      const described = await Promise.all(runs.map((w) => client.workflow.getHandle(w.workflowId, w.runId).describe()));
+      const runEvents = described.reduce((a, d) => a + d.historyLength, 0);
+      const runBytes = described.reduce((a, d) => a + (d.historySize ?? 0), 0);
       const shards = new Set<string>();
       for await (const w of client.workflow.list({ query: `WorkflowType = 'rolloutShard'` })) {
         if (w.workflowId.startsWith(`${runWorkflowId(runId)}-shard-`)) shards.add(w.workflowId);
@@ -156,6 +161,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
         trajectoriesPerSecond: done >= 2 ? ((done - 1) * batchGroups * config.group_size) / wall : null,
         stepsPerSecond: done >= 2 ? (done - 1) / wall : null,
         eventsPerStep: runEvents / Math.max(done, 1), eventsPerGroup: runEvents / Math.max(done, 1) / batchGroups,
+        historyBytesPerGroup: runBytes / Math.max(done, 1) / batchGroups,
         workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
         cpuMsPerEpisode: done >= 2 ? ((stepMarks[done].cpu - stepMarks[1].cpu) * 1000) / steadyEpisodes : null, shards: shards.size,
       });

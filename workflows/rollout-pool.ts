@@ -16,7 +16,6 @@ import {
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { GroupResult } from '../activities/types';
-import type { RecipeConfig } from '../agents/recipe';
 
 export const TASK_QUEUES = { control: 'molt-control', rollout: 'molt-rollout', actor: 'molt-actor' } as const;
 export const groupActivityId = (groupIndex: number) => `group-${groupIndex}`;
@@ -37,7 +36,7 @@ export const DRAIN_EVENTS_PER_SHARD = 20;
 
 export interface GroupStart { groupIndex: number; engines?: string[] }
 export interface ShardInput {
-  runId: string; runWorkflowId: string; recipeDir: string; config: RecipeConfig; perWorkflow: number;
+  runId: string; runWorkflowId: string; groupSize: number; perWorkflow: number;
   queued: GroupStart[]; // sent to it, not started yet
   historyEvents?: number; // test hook: continue as new at this many history events (default HISTORY_EVENTS)
 }
@@ -61,18 +60,18 @@ const { rolloutGroup } = proxyActivities<Activities>({
 // A group that cannot run still frees its slot: it comes back empty. One whose agent failed more
 // often than the recipe allows, or whose agent module does not load (every group would fail the
 // same way, thousands a minute), comes back `fatal`: it stops the run.
-async function runGroup(runId: string, recipeDir: string, config: RecipeConfig, g: GroupStart): Promise<GroupResult | undefined> {
+async function runGroup(runId: string, groupSize: number, g: GroupStart): Promise<GroupResult | undefined> {
   try {
     return await rolloutGroup.executeWithOptions(
-      { activityId: groupActivityId(g.groupIndex), summary: `group ${g.groupIndex}: ${config.group_size} episodes` },
-      [{ runId, groupIndex: g.groupIndex, recipeDir, config, engines: g.engines }]);
+      { activityId: groupActivityId(g.groupIndex), summary: `group ${g.groupIndex}: ${groupSize} episodes` },
+      [{ runId, groupIndex: g.groupIndex, engines: g.engines }]);
   } catch (err) {
     if (isCancellation(err)) return undefined;
     const cause = err instanceof ActivityFailure ? err.cause : err;
     log.error('rollout group failed for good', { groupIndex: g.groupIndex, error: String(cause) });
     const stopsRun = cause instanceof ApplicationFailure && FATAL_GROUP_FAILURES.includes(cause.type ?? '');
     return {
-      groupIndex: g.groupIndex, refs: [], rewards: [], failed: config.group_size, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
+      groupIndex: g.groupIndex, refs: [], rewards: [], failed: groupSize, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
       ...(stopsRun ? { fatal: cause.message } : {}),
     };
   }
@@ -82,10 +81,10 @@ async function runGroup(runId: string, recipeDir: string, config: RecipeConfig, 
 // shards (started as needed, kept until `close`); each result reaches `receive` once, in arrival
 // order. `scope` is cancelled when the run ends: it cancels the groups, the shards' too.
 export function rolloutPool(o: {
-  runId: string; recipeDir: string; config: () => RecipeConfig; perWorkflow: number; scope: CancellationScope;
+  runId: string; groupSize: number; perWorkflow: number; scope: CancellationScope;
   shardHistoryEvents?: number; receive: (result: GroupResult) => void; fail: (message: string) => void;
 }) {
-  const { runId, recipeDir, perWorkflow } = o;
+  const { runId, groupSize, perWorkflow } = o;
   let local = 0; // groups in flight as this run's own activities
   // `sent`: the signals to the shard so far, in order (the first is its start); `finished`: its end.
   const shards: { id: string; inflight: number; sent: Promise<void> | null; finished: Promise<void> }[] = [];
@@ -107,7 +106,7 @@ export function rolloutPool(o: {
     for (const g of groups) {
       if (local < perWorkflow) {
         local++;
-        void o.scope.run(() => runGroup(runId, recipeDir, o.config(), g)).then((r) => { local--; if (r) o.receive(r); });
+        void o.scope.run(() => runGroup(runId, groupSize, g)).then((r) => { local--; if (r) o.receive(r); });
         continue;
       }
       let k = shards.findIndex((s) => s.inflight < perWorkflow);
@@ -122,7 +121,7 @@ export function rolloutPool(o: {
       if (shard.sent === null) { // a new shard: its first groups are its input
         const child = o.scope.run(() => startChild(rolloutShard, {
           workflowId: shard.id, taskQueue: TASK_QUEUES.control,
-          args: [{ runId, runWorkflowId: workflowInfo().workflowId, recipeDir, config: o.config(), perWorkflow, queued, historyEvents: o.shardHistoryEvents }],
+          args: [{ runId, runWorkflowId: workflowInfo().workflowId, groupSize, perWorkflow, queued, historyEvents: o.shardHistoryEvents }],
         }));
         shard.finished = child.then((c) => c.result()).catch(failed(`rollout shard ${shard.id}`));
         shard.sent = child.then(() => undefined);
@@ -146,7 +145,7 @@ export function rolloutPool(o: {
 
 // A shard: keeps the groups the run sends it in flight and sends their results back in batches.
 export async function rolloutShard(input: ShardInput): Promise<void> {
-  const { runId, recipeDir, config, perWorkflow } = input;
+  const { runId, groupSize, perWorkflow } = input;
   const queued = [...input.queued];
   const done: GroupResult[] = [];
   let inflight = 0;
@@ -181,7 +180,7 @@ export async function rolloutShard(input: ShardInput): Promise<void> {
     if (queued.length > 0 && !historyFull()) {
       for (const g of queued.splice(0)) {
         inflight++;
-        void runGroup(runId, recipeDir, config, g).then((r) => { inflight--; if (r) done.push(r); });
+        void runGroup(runId, groupSize, g).then((r) => { inflight--; if (r) done.push(r); });
       }
       continue;
     }

@@ -179,7 +179,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
   const groups = new CancellationScope({ cancellable: true });
   const perWorkflow = input.groupsPerWorkflow ?? GROUPS_PER_WORKFLOW; // groups in flight per workflow (rollout-pool.ts)
   const pool = rolloutPool({
-    runId, recipeDir, config: () => config, perWorkflow, scope: groups,
+    runId, groupSize: config.group_size, perWorkflow, scope: groups,
     shardHistoryEvents: input.shardHistoryEvents,
     receive, fail: (message) => { fatal ??= message; state = 'stopping'; },
   });
@@ -291,7 +291,9 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const freeSlots = () => sync()
       ? (inflight.size === 0 && !training ? config.batch.groups - run.ready.length : 0)
       : (run.ready.length < config.batch.groups ? config.pool.inflight - inflight.size : 0);
+    saveConfig();
     const filler = (async () => {
+      await configWritten; // the groups read the run's config from it
       for (;;) {
         await condition(() => !filling || freeSlots() > 0);
         if (!filling) return;
@@ -301,7 +303,6 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
     const stopFilling = async () => { filling = false; await filler; };
 
     showDetails();
-    saveConfig();
     let metricsWritten: Promise<unknown> = Promise.resolve();
     let stepsThisRun = 0;
     while (run.step < config.train.steps && state === 'running') {

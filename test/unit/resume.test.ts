@@ -13,7 +13,7 @@ import type { GenerateChunk, GenerateRequest } from '../../activities/gpu-client
 import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory } from '../../activities/store';
-import type { GroupResult, RolloutGroupInput, ServiceEndpoints } from '../../activities/types';
+import type { GroupResult, ResolvedGroupInput, ServiceEndpoints } from '../../activities/types';
 import { RecordingRouter, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
 const FIXTURES = path.join(__dirname, 'fixtures');
@@ -35,7 +35,7 @@ const jsonLines = (file: string) => (fs.existsSync(file) ? fs.readFileSync(file,
   .flatMap((line) => { try { return [JSON.parse(line)]; } catch { return []; } }); // a line cut by the kill is skipped
 
 // Runs the first attempt in a child process and kills it with SIGKILL once `ready` says so.
-async function killedAttempt(input: RolloutGroupInput, endpoints: ServiceEndpoints, ready: (beats: RolloutManifest[]) => boolean, jitterMs = 0) {
+async function killedAttempt(input: ResolvedGroupInput, endpoints: ServiceEndpoints, ready: (beats: RolloutManifest[]) => boolean, jitterMs = 0) {
   const dir = fs.mkdtempSync(path.join(storeRoot, 'child-'));
   const heartbeats = path.join(dir, 'heartbeats.jsonl');
   const responses = path.join(dir, 'responses.jsonl');
@@ -57,7 +57,7 @@ async function killedAttempt(input: RolloutGroupInput, endpoints: ServiceEndpoin
   return { lastBeat: beats[beats.length - 1], responses: jsonLines(responses) as { session: string; tokens: number }[] };
 }
 
-async function retry(input: RolloutGroupInput, endpoints: ServiceEndpoints, heartbeatDetails: RolloutManifest) {
+async function retry(input: ResolvedGroupInput, endpoints: ServiceEndpoints, heartbeatDetails: RolloutManifest) {
   const router = new RecordingRouter(endpoints.engines, TOKEN);
   const env = new MockActivityEnvironment({ heartbeatDetails });
   const result = await (env.run(rolloutGroup, endpoints, router, input) as Promise<GroupResult>);
@@ -90,7 +90,7 @@ const config = (agent: string, seed: number, env: Record<string, unknown>, sampl
 test('Env form: kill -9 mid-generation; finished episodes reused, answered turns replayed, the partial continued token-exactly', async () => {
   const runId = 'resume-env';
   const endpoints: ServiceEndpoints = { engines: [engine.url], actor: 'unused', token: TOKEN, storeRoot };
-  const input: RolloutGroupInput = {
+  const input: ResolvedGroupInput = {
     runId, groupIndex: 0, recipeDir: FIXTURES,
     config: config('long-agent.ts', 1, { long: LONG }, { max_tokens: SHORT, stop_token_ids: [] }),
   };
@@ -135,7 +135,7 @@ test('Env form: kill -9 mid-generation; finished episodes reused, answered turns
 test('ChatAgent form: the loopback server answers the journaled request, the interrupted one continues from its saved ids', async () => {
   const runId = 'resume-chat';
   const endpoints: ServiceEndpoints = { engines: [engine.url], actor: 'unused', token: TOKEN, storeRoot };
-  const input: RolloutGroupInput = {
+  const input: ResolvedGroupInput = {
     runId, groupIndex: 0, recipeDir: FIXTURES,
     config: { ...config('long-chat-agent.ts', 3, { short: SHORT, long: LONG }, { max_tokens: LONG }), group_size: 2 },
   };

@@ -6,6 +6,7 @@ import { ApplicationFailure, CancelledFailure } from '@temporalio/common';
 import type { WorkflowHandle } from '@temporalio/client';
 import type { TestWorkflowEnvironment } from '@temporalio/testing';
 import type { RecordMetricsInput } from '../../activities/metrics';
+import type { RunConfigInput } from '../../activities/run-folder';
 import type { CheckpointInput, GroupResult, RolloutGroupInput, TrainStepInput } from '../../activities/types';
 import { RecipeConfig } from '../../agents/recipe';
 import { groupActivityId, progressQuery, runWorkflowId, TASK_QUEUES, trainRun, type TrainRunInput } from '../../workflows/train-run';
@@ -44,11 +45,14 @@ function fakeServices(opts: {
     checkpoints: [] as number[],
     checkpointInputs: [] as CheckpointInput[],
     metrics: [] as RecordMetricsInput[],
+    configs: new Map<string, RecipeConfig>(), // run -> the config writeRunConfig wrote, which its groups read
   };
   const activities = {
     async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
       const ctx = Context.current();
       const g = input.groupIndex;
+      const config = s.configs.get(input.runId);
+      if (!config) throw ApplicationFailure.nonRetryable(`group ${g} started before run ${input.runId} wrote its config`);
       const minVersion = s.version;
       const workflowRunId = ctx.info.workflowExecution?.runId ?? '';
       s.attempts.set(g, ctx.info.attempt);
@@ -69,10 +73,10 @@ function fakeServices(opts: {
       s.log.push({ event: 'done', group: g, workflowRunId });
       if (ctx.info.attempt === 1 && opts.failFirstAttempt?.(g)) throw new Error(`group ${g}: rollout worker lost`);
       if (opts.overBudget?.(g)) throw ApplicationFailure.nonRetryable(`group ${g}: 2 of 2 episodes failed, over the failure budget`, 'FailureBudgetExceeded');
-      const episodes = opts.empty?.(g) ? [] : [...Array(input.config.group_size).keys()]; // empty: every episode failed
+      const episodes = opts.empty?.(g) ? [] : [...Array(config.group_size).keys()]; // empty: every episode failed
       const result: GroupResult = {
         groupIndex: g, refs: episodes.map((e) => `${input.runId}/g${g}/e${e}`), rewards: episodes.map((e) => (g + e) % 2),
-        failed: input.config.group_size - episodes.length, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
+        failed: config.group_size - episodes.length, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
       };
       s.results.set(g, result);
       return result;
@@ -98,7 +102,7 @@ function fakeServices(opts: {
       s.metrics.push(input);
       return { written: true };
     },
-    async writeRunConfig() {},
+    async writeRunConfig(input: RunConfigInput) { s.configs.set(input.runId, input.config); },
   };
   return { s, activities };
 }
