@@ -3,13 +3,15 @@
 //   a module without AgentRunner    test/unit/contract.test.ts, test/unit/rollout.test.ts
 //   an agent that throws            its episode fails, the group goes on (test/unit/rollout.test.ts,
 //                                   chat-rollout.test.ts); over rollout.max_failed_fraction the group fails: here
-//   an engine answering malformed JSON, a trajectory over the context budget, a corrupted store file: here
+//   an engine answering malformed JSON, a trajectory over the context budget, a corrupted store file,
+//   a rollout worker whose store lacks the run's config.json: here
 import * as fs from 'node:fs';
 import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
+import { createActivities } from '../../activities';
 import { callService, type ActorHealth } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
@@ -68,6 +70,20 @@ test('failed episodes within the failure budget: the group goes on; over it: the
       name: 'ApplicationFailure', nonRetryable: true, type: 'FailureBudgetExceeded',
       message: expect.stringMatching(/group 0: 1 of 2 episodes failed, over the failure budget rollout\.max_failed_fraction=0\.4; recipe bad \(test\/unit\/fixtures\/echo-agent\.ts:16\), group 0 episode 1: env step threw: episode 1 fails on purpose/),
     });
+});
+
+test('a group whose run has no config.json in the worker\'s store fails (retried), naming the file and the store root', async () => {
+  const storeRoot = path.join(root, 'other-store');
+  const acts = createActivities({ engines: [engine.url], actor: 'unused', token: TOKEN, storeRoot });
+  const input = { runId: 'no-config', groupIndex: 0 }; // what the workflow sends: the config stays in the run's folder
+  const missing = new MockActivityEnvironment().run(acts.rolloutGroup, input);
+  await expect(missing).rejects.toThrow(`run no-config: cannot read its config ${path.join(storeRoot, 'no-config', 'config.json')} (ENOENT)`);
+  await expect(missing).rejects.toThrow(`this worker's store root (${storeRoot}) must be the control worker's`);
+  await expect(missing).rejects.not.toMatchObject({ nonRetryable: true }); // a store that comes back is used on a retry
+  await acts.writeRunConfig({ runId: 'no-config', recipeDir: FIXTURES, config: config('echo-agent.ts', { env: { turns: 1 } }) });
+  const result = await (new MockActivityEnvironment().run(acts.rolloutGroup, input) as Promise<GroupResult>);
+  expect(result).toMatchObject({ groupIndex: 0, failed: 0 });
+  expect(result.refs).toHaveLength(2);
 });
 
 test('an engine answering malformed JSON fails the activity (retried) with a message naming it; nothing is stored', async () => {
