@@ -22,7 +22,7 @@ import { tokenizerFor } from '../agents/tokenizer';
 import { EpisodeJournal, journalKey, readJournal } from './episode-journal';
 import { ServiceError, type GenerateRequest, type GenerateResponse } from './gpu-client';
 import { trajectoryKey, writeTrajectory, type Trajectory } from './store';
-import type { EpisodeSample, GroupResult, ResolvedGroupInput, ServiceEndpoints } from './types';
+import { carriesSample, type EpisodeSample, type GroupResult, type ResolvedGroupInput, type ServiceEndpoints } from './types';
 
 interface EpisodeRecord {
   refs: string[];
@@ -139,7 +139,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
 
   const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
   const runAgentEpisode = episodeRunner(runner, modulePath, config, task);
-  let sample: EpisodeSample | undefined; // the first episode this attempt finished
+  let sample: EpisodeSample | undefined; // the first episode this attempt finished, in a group that carries one
 
   const runEpisode = async (episode: number) => {
     const session = `${runId}/g${groupIndex}/e${episode}`;
@@ -184,7 +184,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
         metrics: addTo(Object.fromEntries(Object.entries(result.metrics ?? {}).map(([k, v]) => [`agent/${k}`, v])), poolMetrics),
       };
       delete manifest.partial![episode];
-      sample ??= describeEpisode(episode, result, config);
+      if (carriesSample(groupIndex, config.batch.groups)) sample ??= describeEpisode(episode, result, config);
       await journal.discard();
     } catch (e) {
       const error = poolFailure.error ?? e; // a pool engine's failure, even if the env wrapped it in its own

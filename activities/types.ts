@@ -35,6 +35,12 @@ export interface GroupResult {
 // An episode as text: what the policy was asked and what it answered (with any tool turns), cut to
 // a few hundred characters each so that results stay small.
 export interface EpisodeSample { episode: number; reward: number; prompt: string; completion: string }
+// A step writes SAMPLES_PER_STEP of them, so only about that many of a batch's groups carry one: every k-th
+// group, for k = batch.groups / SAMPLES_PER_STEP (a batch is mostly consecutive groups). A sample is up to
+// ~1 KB of text, more than the rest of a group's result, and every result stays in the run's history.
+export const SAMPLES_PER_STEP = 4;
+export const carriesSample = (groupIndex: number, batchGroups: number) =>
+  groupIndex % Math.max(1, Math.floor(batchGroups / SAMPLES_PER_STEP)) === 0;
 
 export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }
 export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }

@@ -15,7 +15,7 @@ import {
   isCancellation, log, proxyActivities, setCurrentDetails, setHandler, sleep, upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
-import type { GroupResult } from '../activities/types';
+import { SAMPLES_PER_STEP, type GroupResult } from '../activities/types';
 import type { RecipeConfig } from '../agents/recipe';
 import {
   addEngineUpdate, applySettings, checkEngineUrl, checkpointUpdate, currentSettings, drainEngineUpdate, enginesQuery, pauseUpdate,
@@ -73,7 +73,6 @@ export interface Carried {
   execution?: number; // 1 for the first execution of the run, +1 at each continue-as-new
   engines?: string[]; // the engines serving the run (engines add|drain); unset: the workers' own, until the claim
 }
-const SAMPLES_PER_STEP = 4; // decoded episodes of each step's batch in <store>/<runId>/samples.jsonl
 const REWARD_HISTORY = 1000; // the curve `molt-client` draws; bounded so the carried state stays small
 
 export interface TrainRunInput {

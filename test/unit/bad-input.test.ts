@@ -80,10 +80,14 @@ test('a group whose run has no config.json in the worker\'s store fails (retried
   await expect(missing).rejects.toThrow(`run no-config: cannot read its config ${path.join(storeRoot, 'no-config', 'config.json')} (ENOENT)`);
   await expect(missing).rejects.toThrow(`this worker's store root (${storeRoot}) must be the control worker's`);
   await expect(missing).rejects.not.toMatchObject({ nonRetryable: true }); // a store that comes back is used on a retry
-  await acts.writeRunConfig({ runId: 'no-config', recipeDir: FIXTURES, config: config('echo-agent.ts', { env: { turns: 1 } }) });
-  const result = await (new MockActivityEnvironment().run(acts.rolloutGroup, input) as Promise<GroupResult>);
-  expect(result).toMatchObject({ groupIndex: 0, failed: 0 });
-  expect(result.refs).toHaveLength(2);
+  // Written, it is what the group runs with: a batch of 8 groups wants 4 samples, from every second group.
+  await acts.writeRunConfig({ runId: 'no-config', recipeDir: FIXTURES, config: config('echo-agent.ts', { env: { turns: 1 }, batch: { groups: 8 } }) });
+  const [first, second] = await Promise.all([0, 1].map((groupIndex) =>
+    new MockActivityEnvironment().run(acts.rolloutGroup, { ...input, groupIndex }) as Promise<GroupResult>));
+  expect(first).toMatchObject({ groupIndex: 0, failed: 0, sample: { episode: expect.any(Number) } });
+  expect(first.refs).toHaveLength(2);
+  expect(second).toMatchObject({ groupIndex: 1, failed: 0 });
+  expect(second.sample).toBeUndefined();
 });
 
 test('an engine answering malformed JSON fails the activity (retried) with a message naming it; nothing is stored', async () => {

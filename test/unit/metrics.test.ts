@@ -7,6 +7,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { closeWandb, metricsFile, readMetrics, recordMetrics } from '../../activities/metrics';
 import { crc32c, eventFile } from '../../activities/tensorboard';
+import { carriesSample, SAMPLES_PER_STEP } from '../../activities/types';
 import { REPO_ROOT } from '../../agents/recipe';
 import { plotRun } from '../../client/plot';
 
@@ -17,6 +18,16 @@ let storeRoot: string;
 beforeEach(() => { storeRoot = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-metrics-')); });
 afterEach(() => fs.rmSync(storeRoot, { recursive: true, force: true }));
 const endpoints = () => ({ engines: [], actor: '', token: '', storeRoot });
+
+test('about SAMPLES_PER_STEP groups of a batch of consecutive groups carry a sample, wherever it starts', () => {
+  for (const batch of [1, 2, 3, 4, 5, 7, 8, 11, 16, 33, 2048]) {
+    for (const start of [0, 1, 7, 1000, 123_457]) {
+      const carrying = Array.from({ length: batch }, (_, i) => start + i).filter((g) => carriesSample(g, batch)).length;
+      expect(carrying).toBeGreaterThanOrEqual(Math.min(batch, SAMPLES_PER_STEP));
+      expect(carrying).toBeLessThan(2 * SAMPLES_PER_STEP);
+    }
+  }
+});
 
 test('one line per step: a retried step writes nothing, a torn last line is cut off', async () => {
   expect(await recordMetrics(endpoints(), { runId: 'r', step: 1, metrics: { loss: 1 } })).toEqual({ written: true });
