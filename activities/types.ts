@@ -37,7 +37,7 @@ export interface GroupResult {
 export interface EpisodeSample { episode: number; reward: number; prompt: string; completion: string }
 // A step writes SAMPLES_PER_STEP of them, so only about that many of a batch's groups carry one: every k-th
 // group, for k = batch.groups / SAMPLES_PER_STEP (a batch is mostly consecutive groups). A sample is up to
-// ~1 KB of text, more than the rest of a group's result, and every result stays in the run's history.
+// ~1 KB of text, about as large as the rest of a group's result, and every result stays in the run's history.
 export const SAMPLES_PER_STEP = 4;
 export const carriesSample = (groupIndex: number, batchGroups: number) =>
   groupIndex % Math.max(1, Math.floor(batchGroups / SAMPLES_PER_STEP)) === 0;
