@@ -139,6 +139,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
 
   const task: GroupTask = { groupIndex, seed: deriveSeed(config.seed, groupIndex) }; // one task per group
   const runAgentEpisode = episodeRunner(runner, modulePath, config, task);
+  const carrying = carriesSample(groupIndex, config.batch.groups);
   let sample: EpisodeSample | undefined; // the first episode this attempt finished, in a group that carries one
 
   const runEpisode = async (episode: number) => {
@@ -184,7 +185,7 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
         metrics: addTo(Object.fromEntries(Object.entries(result.metrics ?? {}).map(([k, v]) => [`agent/${k}`, v])), poolMetrics),
       };
       delete manifest.partial![episode];
-      if (carriesSample(groupIndex, config.batch.groups)) sample ??= describeEpisode(episode, result, config);
+      if (carrying) sample ??= describeEpisode(episode, result, config);
       await journal.discard();
     } catch (e) {
       const error = poolFailure.error ?? e; // a pool engine's failure, even if the env wrapped it in its own

@@ -34,8 +34,8 @@ export interface RunConfigInput { runId: string; recipeDir: string; config: Reci
 export async function writeRunConfig(storeRoot: string, input: RunConfigInput): Promise<void> {
   await writeFileAtomic(runConfigPath(storeRoot, input.runId), `${JSON.stringify(input, null, 2)}\n`);
 }
-// What a group's activity runs with (activities/types.ts, RolloutGroupInput). A `set` rewrites the file, but
-// only with settings the actor and the loop use, never the rollout's.
+// What a group's activity runs with (activities/types.ts, RolloutGroupInput). A `set` rewrites the file with
+// live settings only: of those the rollout reads batch.groups alone, to pick the groups that carry a sample.
 export async function readRunConfig(storeRoot: string, runId: string): Promise<RunConfigInput> {
   const file = runConfigPath(storeRoot, runId);
   const text = await fs.readFile(file, 'utf8').catch((e: NodeJS.ErrnoException) => {
