@@ -25,7 +25,7 @@ import {
   type SftStepRequest, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
 import { collectGarbage } from './run-folder';
-import { writeFileAtomic } from './store';
+import { groupRefs, writeFileAtomic } from './store';
 
 // /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
 const CONTROL_TIMEOUT_MS = 30_000;
@@ -57,9 +57,9 @@ export function stepManifestPath(storeRoot: string, runId: string, step: number)
 
 // Written once per step; a retry writes the same bytes. Different contents mean the loop asked for
 // the same step with another batch: refuse rather than train two different updates under one number.
-async function writeStepManifest(storeRoot: string, input: TrainStepInput): Promise<void> {
+async function writeStepManifest(storeRoot: string, input: TrainStepInput, refs: string[]): Promise<void> {
   const file = stepManifestPath(storeRoot, input.runId, input.step);
-  const text = JSON.stringify({ refs: input.refs, algo: input.algo } satisfies StepManifest);
+  const text = JSON.stringify({ refs, algo: input.algo } satisfies StepManifest);
   const existing = fs.existsSync(file) ? fs.readFileSync(file, 'utf8') : null;
   if (existing === null) await writeFileAtomic(file, text);
   else if (existing !== text) throw new Error(`trainStep: step ${input.step} of run ${input.runId} was already asked with other trajectories (${file})`);
@@ -126,10 +126,11 @@ function initDir(storeRoot: string, runId: string): string | null {
 }
 
 export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInput): Promise<TrainStepResult> {
-  await writeStepManifest(endpoints.storeRoot, input);
+  const refs = input.groups.flatMap((g) => groupRefs(input.runId, g));
+  await writeStepManifest(endpoints.storeRoot, input, refs);
   const res = await heartbeating({ step: input.step }, (async () => {
     await catchUpActor(endpoints, input.runId, input.step - 1);
-    return postTrainStep(endpoints, input.runId, input.step, { refs: input.refs, algo: input.algo });
+    return postTrainStep(endpoints, input.runId, input.step, { refs, algo: input.algo });
   })());
   return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
 }

@@ -224,11 +224,13 @@ export async function rolloutGroup(endpoints: ServiceEndpoints, router: EngineRo
       'FailureBudgetExceeded');
   }
 
-  const done = Object.keys(manifest.done).map(Number).sort((a, b) => a - b).map((e) => manifest.done[e]);
+  const episodes = Object.keys(manifest.done).map(Number).sort((a, b) => a - b);
+  const done = episodes.map((e) => manifest.done[e]);
   const versions = done.filter((d) => d.tokens > 0);
   return {
     groupIndex,
-    refs: done.flatMap((d) => d.refs),
+    episodes,
+    segments: done.map((d) => d.refs.length),
     rewards: done.map((d) => d.reward),
     failed,
     tokens: done.reduce((n, d) => n + d.tokens, 0),

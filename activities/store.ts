@@ -10,6 +10,7 @@
 import { createHash } from 'node:crypto';
 import * as fs from 'node:fs';
 import * as path from 'node:path';
+import type { GroupTrajectories } from './types';
 
 export const TRAJECTORY_FORMAT = 'molt-trajectory-v1';
 
@@ -143,6 +144,11 @@ export interface TrajectoryMeta {
 
 export function trajectoryKey(runId: string, group: number, episode: number, segment: number): string {
   return `${runId}/trajectories/g${group}/e${episode}-s${segment}.safetensors`;
+}
+
+// The store keys of a group's trajectories, as its result names them (types.ts).
+export function groupRefs(runId: string, g: GroupTrajectories): string[] {
+  return g.episodes.flatMap((episode, i) => Array.from({ length: g.segments[i] }, (_, s) => trajectoryKey(runId, g.groupIndex, episode, s)));
 }
 
 export async function writeTrajectory(storeRoot: string, key: string, t: Trajectory, meta: TrajectoryMeta): Promise<void> {

@@ -19,7 +19,11 @@ export interface ResolvedGroupInput extends RolloutGroupInput {
 
 export interface GroupResult {
   groupIndex: number;
-  refs: string[]; // trajectory store keys, relative to the store root, one per episode segment
+  // The finished episodes (a failed one is left out) and each one's segments, a trajectory each, at
+  // trajectoryKey(run, group, episode, 0..segments-1) in the store (groupRefs): a result stays in the run's
+  // history, and ~65-byte keys were most of its bytes (and of a step's input, which names them again).
+  episodes: number[];
+  segments: number[];
   rewards: number[]; // one per finished episode
   failed: number; // episodes whose agent threw
   tokens: number; // generated tokens in the group
@@ -42,7 +46,9 @@ export const SAMPLES_PER_STEP = 4;
 export const carriesSample = (groupIndex: number, batchGroups: number) =>
   groupIndex % Math.max(1, Math.floor(batchGroups / SAMPLES_PER_STEP)) === 0;
 
-export interface TrainStepInput { runId: string; step: number; refs: string[]; algo: AlgoConfig }
+// A step's trajectories: its groups' finished episodes (the activity names their store keys).
+export type GroupTrajectories = Pick<GroupResult, 'groupIndex' | 'episodes' | 'segments'>;
+export interface TrainStepInput { runId: string; step: number; groups: GroupTrajectories[]; algo: AlgoConfig }
 export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }
 
 // An SFT step (workflows/sft-run.ts): the activity tokenizes the recipe's demonstrations itself.

@@ -178,7 +178,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
         trainedTokens += batch.reduce((n, g) => n + g.tokens, 0);
         if (mode === 'streaming') fill();
         const trainFrom = performance.now();
-        await activity.run(acts.trainStep, { runId, step, refs: batch.flatMap((g) => g.refs), algo: config.algo });
+        await activity.run(acts.trainStep, { runId, step, groups: batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments })), algo: config.algo });
         meter.setPaused(true);
         await activity.run(acts.refit, { runId, version: step });
         meter.setPaused(false);

@@ -32,6 +32,8 @@ export interface ScaleRow {
   // one episode in the steady state (the whole run's CPU would count the ramp-up and the groups left in flight)
   cpuMsPerEpisode: number | null;
   shards: number; // rollout shard workflows the run started (workflows/rollout-pool.ts), all executions
+  stepSeconds: number[]; // wall time of each step after the first: where the ramp-up ends
+  executions: number; // the run's executions: each continue-as-new drained the pool first
 }
 
 // Fields of /proc/<pid>/stat after "(comm)", from field 3 (state) on; comm itself beside them.
@@ -88,7 +90,7 @@ function instantActivities(stepMarks: StepMark[], cpuNow: () => number): Activit
       const config = configs.get(input.runId)!;
       const g = config.group_size;
       return {
-        groupIndex: input.groupIndex, refs: Array.from({ length: g }, (_, e) => `${input.runId}/g${input.groupIndex}/e${e}`),
+        groupIndex: input.groupIndex, episodes: Array.from({ length: g }, (_, e) => e), segments: Array(g).fill(1),
         rewards: Array(g).fill(0.5), failed: 0, tokens: g * config.sampling.max_tokens, minVersion: version, maxVersion: version, seconds: 0,
       };
     },
@@ -164,6 +166,7 @@ export async function orchestrationScale(sizes: number[], steps: (inflight: numb
         historyBytesPerGroup: runBytes / Math.max(done, 1) / batchGroups,
         workerCpuPerStep: workerCpu / Math.max(done, 1), serverCpuPerStep: serverCpu / Math.max(done, 1), coresBusy: (workerCpu + serverCpu) / runSeconds,
         cpuMsPerEpisode: done >= 2 ? ((stepMarks[done].cpu - stepMarks[1].cpu) * 1000) / steadyEpisodes : null, shards: shards.size,
+        executions: runs.length, stepSeconds: stepMarks.slice(2, done + 1).map((m, i) => (m.at - stepMarks[i + 1].at) / 1000),
       });
     }
   } finally {

@@ -71,7 +71,7 @@ async function runGroup(runId: string, groupSize: number, g: GroupStart): Promis
     log.error('rollout group failed for good', { groupIndex: g.groupIndex, error: String(cause) });
     const stopsRun = cause instanceof ApplicationFailure && FATAL_GROUP_FAILURES.includes(cause.type ?? '');
     return {
-      groupIndex: g.groupIndex, refs: [], rewards: [], failed: groupSize, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
+      groupIndex: g.groupIndex, episodes: [], segments: [], rewards: [], failed: groupSize, tokens: 0, minVersion: 0, maxVersion: 0, seconds: 0,
       ...(stopsRun ? { fatal: cause.message } : {}),
     };
   }

@@ -310,14 +310,15 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
       const step = run.step + 1; // step s produces policy version s
       batchInStep = batch;
-      const refs = batch.flatMap((g) => g.refs);
+      const groups = batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments }));
+      const trajectories = batch.reduce((n, g) => g.segments.reduce((m, s) => m + s, n), 0);
       const tokens = batch.reduce((n, g) => n + g.tokens, 0);
       const algo = config.algo; // a `set` during the step applies from the next one
       const times = { batchReady: Date.now(), trained: 0, refitted: 0, transferSeconds: 0 };
       const trained = await withActor(async () => {
         const result = await trainStep.executeWithOptions(
-          { summary: `train step ${step}: ${batch.length} groups, ${refs.length} trajectories, ${tokens} tokens` },
-          [{ runId, step, refs, algo }]);
+          { summary: `train step ${step}: ${batch.length} groups, ${trajectories} trajectories, ${tokens} tokens` },
+          [{ runId, step, groups, algo }]);
         batchInStep = []; // the step's manifest names them now
         times.trained = Date.now();
         const engines = run.engines && [...run.engines, ...drainingEngines];

@@ -8,7 +8,7 @@ import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import { callService, type ActorHealth, type EngineHealth } from '../../activities/gpu-client';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { RefitResult, TrainStepInput } from '../../activities/types';
 import { loadAgentRunner } from '../../agents/contract';
 import { readSamples } from '../../client/samples';
@@ -113,8 +113,9 @@ test('the run completes its steps, each applied exactly once at the actor', asyn
 test('every trained trajectory is in the store, token-exact, with per-token logprobs and versions', () => {
   const seen = new Set<string>();
   for (const input of trainInputs) {
-    expect(input.refs.length).toBeGreaterThanOrEqual(config.batch.groups); // one episode at least per group
-    for (const ref of input.refs) {
+    const refs = input.groups.flatMap((g) => groupRefs(runId, g));
+    expect(refs.length).toBeGreaterThanOrEqual(config.batch.groups); // one episode at least per group
+    for (const ref of refs) {
       expect(seen.has(ref)).toBe(false); // never trained twice
       seen.add(ref);
       const { trajectory: t, meta } = readTrajectory(stack.storeRoot, ref);

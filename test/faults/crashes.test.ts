@@ -24,7 +24,7 @@ import * as path from 'node:path';
 import { Client, Connection, type WorkflowHandle } from '@temporalio/client';
 import { defaultPayloadConverter } from '@temporalio/common';
 import { callService, type ActorHealth, type EngineHealth } from '../../activities/gpu-client';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { TrainStepInput } from '../../activities/types';
 import { loadRecipe, REPO_ROOT, resolveModelDir, type RecipeConfig } from '../../agents/recipe';
 import { killTree, startStack, type Stack } from '../../infra/stack';
@@ -252,7 +252,7 @@ async function expectDurable(runId: string, summary: TrainRunSummary): Promise<v
 
   const inputs = await trainStepInputs(runId);
   expect(inputs.map((t) => t.step)).toEqual(Array.from({ length: STEPS }, (_, i) => i + 1));
-  const refs = inputs.flatMap((t) => t.refs);
+  const refs = inputs.flatMap((t) => t.groups.flatMap((g) => groupRefs(runId, g)));
   expect(new Set(refs).size).toBe(refs.length); // no trajectory trained twice
   const episodesByGroup = new Map<number, number[]>();
   for (const ref of refs) {
@@ -335,6 +335,6 @@ test('kill -9 actor mid-run while the store is collected at every checkpoint: th
   const runDir = path.join(stack.storeRoot, runId);
   expect(fs.readdirSync(path.join(runDir, 'steps'))).toEqual([]);
   expect(fs.readdirSync(path.join(runDir, 'checkpoints')).sort()).toEqual(['latest', `step-${STEPS}`]);
-  const trained = inputs.flatMap((t) => t.refs);
+  const trained = inputs.flatMap((t) => t.groups.flatMap((g) => groupRefs(runId, g)));
   expect(trained.filter((ref) => fs.existsSync(path.join(stack.storeRoot, ref)))).toEqual([]);
 }, 600_000);

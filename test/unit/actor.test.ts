@@ -8,7 +8,8 @@ import { checkpoint, checkpointDir, refit, trainStep } from '../../activities/ac
 import { createActivities } from '../../activities/index';
 import { callService, type EngineHealth, type GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup } from '../../activities/rollout';
-import type { ServiceEndpoints } from '../../activities/types';
+import { groupRefs } from '../../activities/store';
+import type { GroupTrajectories, ServiceEndpoints } from '../../activities/types';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
 import { killTree } from '../../infra/stack';
@@ -37,21 +38,24 @@ afterAll(async () => {
 
 const engineVersion = async () => (await callService<EngineHealth>(engine.url, '/health', TOKEN)).version;
 
+let groups: GroupTrajectories[]; // the batch of step 1, trained again under later step numbers
+
 test('train step, refit and checkpoint, each exactly once', async () => {
   const group = await inActivity(() => rolloutGroup(endpoints, new EngineRouter(endpoints.engines, TOKEN),
     { runId: 'r', groupIndex: 0, recipeDir: path.join(REPO_ROOT, 'recipes', 'copy'), config }));
-  expect(group.refs).toHaveLength(4);
+  expect(groupRefs('r', group)).toHaveLength(4);
+  groups = [group];
 
-  const step = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, refs: group.refs, algo: config.algo }));
+  const step = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, groups, algo: config.algo }));
   expect(step).toMatchObject({ step: 1, version: 1, replayed: false });
-  const again = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, refs: group.refs, algo: config.algo }));
+  const again = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, groups, algo: config.algo }));
   expect(again).toEqual({ ...step, replayed: true }); // a retried step is answered, not trained again
 
   // A gap: step 2 was never asked, so there is nothing to replay it from.
-  await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 3, refs: group.refs, algo: config.algo })))
+  await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 3, groups, algo: config.algo })))
     .rejects.toThrow(/actor holds step 1 of run r: cannot replay step 2, it has no manifest/);
   // The same step with another batch is refused: one step number, one update.
-  await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, refs: group.refs.slice(1), algo: config.algo })))
+  await expect(inActivity(() => trainStep(endpoints, { runId: 'r', step: 1, groups: [{ ...group, episodes: group.episodes.slice(1), segments: group.segments.slice(1) }], algo: config.algo })))
     .rejects.toThrow(/step 1 of run r was already asked with other trajectories/);
 
   expect(await engineVersion()).toBe(0);
@@ -77,7 +81,7 @@ test('train step, refit and checkpoint, each exactly once', async () => {
 
   // A wrong token fails the same way on every retry: the activity says so at once.
   const wrongToken = createActivities({ ...endpoints, token: 'wrong' });
-  await expect(inActivity(() => wrongToken.trainStep({ runId: 'r', step: 2, refs: group.refs, algo: config.algo })))
+  await expect(inActivity(() => wrongToken.trainStep({ runId: 'r', step: 2, groups, algo: config.algo })))
     .rejects.toMatchObject({ name: 'ApplicationFailure', nonRetryable: true, message: expect.stringContaining('HTTP 401') });
   expect(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'checkpoints', 'latest'), 'utf8')).toBe(saved.path);
 });
@@ -86,9 +90,8 @@ test('train step, refit and checkpoint, each exactly once', async () => {
 // brought back by the activities themselves — the latest checkpoint, then steps 2 and 3 replayed
 // from their manifests — and the replayed steps make the very same updates (same metrics).
 test('a restarted actor catches up from the latest checkpoint and the step manifests', async () => {
-  const refs = JSON.parse(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'steps', 'step-1.json'), 'utf8')).refs as string[];
   const trained = [];
-  for (const step of [2, 3]) trained.push(await inActivity(() => trainStep(endpoints, { runId: 'r', step, refs, algo: config.algo })));
+  for (const step of [2, 3]) trained.push(await inActivity(() => trainStep(endpoints, { runId: 'r', step, groups, algo: config.algo })));
   const restart = async () => {
     const exited = new Promise((r) => actor.proc.once('exit', r));
     killTree(actor.proc.pid!, 'SIGKILL'); // torchrun and its rank: a SIGKILLed torchrun would leave the rank running
@@ -97,7 +100,7 @@ test('a restarted actor catches up from the latest checkpoint and the step manif
     endpoints.actor = actor.url;
   };
   await restart();
-  const step4 = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 4, refs, algo: config.algo }));
+  const step4 = await inActivity(() => trainStep(endpoints, { runId: 'r', step: 4, groups, algo: config.algo }));
   expect(step4).toMatchObject({ step: 4, version: 4, replayed: false });
   const log = fs.readFileSync(path.join(root, 'actor-state', 'steps.jsonl'), 'utf8').trim().split('\n').map((l) => JSON.parse(l));
   expect(log.map((e) => e.step)).toEqual([1, 2, 3, 4]); // the checkpoint's step, the replays, the new one: each once
@@ -116,8 +119,7 @@ test('a restarted actor catches up from the latest checkpoint and the step manif
 // them (a connection reset on /resume): the next refit resumes an engine it finds paused, also when
 // every engine is at the version already and nothing is pushed.
 test('a refit leaves no engine paused', async () => {
-  const refs = JSON.parse(fs.readFileSync(path.join(endpoints.storeRoot, 'r', 'steps', 'step-1.json'), 'utf8')).refs as string[];
-  await inActivity(() => trainStep(endpoints, { runId: 'r', step: 5, refs, algo: config.algo }));
+  await inActivity(() => trainStep(endpoints, { runId: 'r', step: 5, groups, algo: config.algo }));
   for (const version of [5, 5]) { // pushed, then already there
     await callService(engine.url, '/pause', TOKEN, { body: { mode: 'keep' } });
     expect((await inActivity(() => refit(endpoints, { runId: 'r', version }))).version).toBe(5);

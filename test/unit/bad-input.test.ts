@@ -14,7 +14,7 @@ import { MockActivityEnvironment } from '@temporalio/testing';
 import { createActivities } from '../../activities';
 import { callService, type ActorHealth } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
 import type { GroupResult, ServiceEndpoints } from '../../activities/types';
 import { loadRecipe, RecipeConfig, RecipeError, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
@@ -43,7 +43,7 @@ async function run(runId: string, cfg: RecipeConfig, engines = [engine.url]) {
   const beats: RolloutManifest[] = [];
   env.on('heartbeat', (d) => beats.push(JSON.parse(JSON.stringify(d))));
   const result = await (env.run(rolloutGroup, endpoints, new EngineRouter(engines, TOKEN), { runId, groupIndex: 0, recipeDir: FIXTURES, config: cfg }) as Promise<GroupResult>);
-  return { result, failed: beats[beats.length - 1].failed };
+  return { result, refs: groupRefs(runId, result), failed: beats[beats.length - 1].failed };
 }
 
 test('a malformed rollout section of the recipe is named by its field', () => {
@@ -85,7 +85,7 @@ test('a group whose run has no config.json in the worker\'s store fails (retried
   const [first, second] = await Promise.all([0, 1].map((groupIndex) =>
     new MockActivityEnvironment().run(acts.rolloutGroup, { ...input, groupIndex }) as Promise<GroupResult>));
   expect(first).toMatchObject({ groupIndex: 0, failed: 0, sample: { episode: expect.any(Number) } });
-  expect(first.refs).toHaveLength(2);
+  expect(groupRefs('no-config', first)).toHaveLength(2);
   expect(second).toMatchObject({ groupIndex: 1, failed: 0 });
   expect(second.sample).toBeUndefined();
 });
@@ -113,11 +113,11 @@ test('an engine answering malformed JSON fails the activity (retried) with a mes
 test('a trajectory over the context budget: its episode fails with the reason, the others go on', async () => {
   // Episode 0 fits; episode 1's first observation is over max_context; episode 2's fits max_context
   // but not the model (1024 positions), so the engine refuses it (400).
-  const { result, failed } = await run('context', config('sized-agent.ts', { group_size: 3, max_context: 2000, env: { sizes: [5, 2500, 1100] }, rollout: { max_failed_fraction: 1 } }));
+  const { result, refs, failed } = await run('context', config('sized-agent.ts', { group_size: 3, max_context: 2000, env: { sizes: [5, 2500, 1100] }, rollout: { max_failed_fraction: 1 } }));
   expect(result).toMatchObject({ failed: 2, rewards: [1] });
   expect(failed[1]).toBe('recipe bad (test/unit/fixtures/sized-agent.ts), group 0 episode 1: the first observation is 2500 tokens, max_context is 2000');
   expect(failed[2]).toMatch(/HTTP 400: .*1100/);
-  expect(readTrajectory(path.join(root, 'store'), result.refs[0]).trajectory.tokens).toHaveLength(5 + 3);
+  expect(readTrajectory(path.join(root, 'store'), refs[0]).trajectory.tokens).toHaveLength(5 + 3);
 });
 
 describe('a corrupted store file', () => {

@@ -13,7 +13,7 @@ import { deriveSeed } from '../../agents/env-runner';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
 import type { GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { decodeSafetensors, readTrajectory, type Trajectory } from '../../activities/store';
+import { decodeSafetensors, groupRefs, readTrajectory, type Trajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { copyReward, copyTarget } from '../../recipes/copy/agent';
 import { RecordingRouter, freePort, PYTHON, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
@@ -45,7 +45,7 @@ async function run(runId: string, recipe: string, opts: { overrides?: Record<str
   const endpoints = { engines: router.engines, actor: 'unused', token: TOKEN, storeRoot };
   const input = { runId, groupIndex: GROUP, recipeDir: opts.agentDir ?? recipeDir, config };
   const result = await (env.run(rolloutGroup, endpoints, router, input) as Promise<GroupResult>);
-  return { result, beats, router };
+  return { result, refs: groupRefs(runId, result), beats, router };
 }
 
 // The trajectory is the prompt ids, then exactly the ids the engine sampled for it, with their
@@ -69,12 +69,12 @@ describe('an Env recipe and a ChatAgent recipe of the same task', () => {
   });
 
   test('each episode is one request to the engine and one trajectory in the store, recorded in the manifest', () => {
-    for (const { result, beats, router } of [envRun, chatRun]) {
+    for (const { result, refs, beats, router } of [envRun, chatRun]) {
       expect(result.failed).toBe(0);
-      expect(result.refs.map((r) => r.split('/').slice(1).join('/'))).toEqual([0, 1, 2].map((e) => `trajectories/g${GROUP}/e${e}-s0.safetensors`));
-      expect(router.calls.map((c) => c.session).sort()).toEqual(result.refs.map((_, e) => `${result.refs[0].split('/')[0]}/g${GROUP}/e${e}`));
+      expect(refs.map((r) => r.split('/').slice(1).join('/'))).toEqual([0, 1, 2].map((e) => `trajectories/g${GROUP}/e${e}-s0.safetensors`));
+      expect(router.calls.map((c) => c.session).sort()).toEqual(refs.map((_, e) => `${refs[0].split('/')[0]}/g${GROUP}/e${e}`));
       const manifest = beats[beats.length - 1];
-      expect(Object.values(manifest.done).flatMap((d) => d.refs)).toEqual(result.refs);
+      expect(Object.values(manifest.done).flatMap((d) => d.refs)).toEqual(refs);
       expect(result.tokens).toBe(router.calls.reduce((n, c) => n + c.res.token_ids.length, 0));
       expect([result.minVersion, result.maxVersion]).toEqual([0, 0]);
     }
@@ -88,14 +88,14 @@ describe('an Env recipe and a ChatAgent recipe of the same task', () => {
         metadata: Object.keys(metadata).sort(),
       };
     };
-    const envHeader = header(envRun.result.refs[0]);
+    const envHeader = header(envRun.refs[0]);
     expect(envHeader.tensors).toEqual({ tokens: ['I32', 1], logprobs: ['F32', 1], versions: ['I32', 1], loss_mask: ['U8', 1] });
-    for (const ref of [...envRun.result.refs, ...chatRun.result.refs]) expect(header(ref)).toEqual(envHeader);
+    for (const ref of [...envRun.refs, ...chatRun.refs]) expect(header(ref)).toEqual(envHeader);
   });
 
   test('Env trajectories: the observation tokenization plus the sampled ids', () => {
     const prompt = ChatTemplate.load(tinyModel()).tokenizer.encode(`copy ${target}>`);
-    envRun.result.refs.forEach((ref, e) => {
+    envRun.refs.forEach((ref, e) => {
       const call = envRun.router.calls.find((c) => c.session === `env-form/g${GROUP}/e${e}`)!;
       expect(call.body.prompt_token_ids).toEqual(prompt);
       expectPromptPlusSampled(readTrajectory(storeRoot, ref).trajectory, prompt, call.res);
@@ -107,7 +107,7 @@ describe('an Env recipe and a ChatAgent recipe of the same task', () => {
     const render = template.render([{ role: 'user', content: `copy ${target}>` }], undefined, true);
     expect(render).toBe(`<|im_start|>user\ncopy ${target}><|im_end|>\n<|im_start|>assistant\n`);
     const prompt = template.tokenizer.encode(render);
-    chatRun.result.refs.forEach((ref, e) => {
+    chatRun.refs.forEach((ref, e) => {
       const call = chatRun.router.calls.find((c) => c.session === `chat-form/g${GROUP}/e${e}`)!;
       expect(call.body.prompt_token_ids).toEqual(prompt);
       expect(call.body.sampling).toMatchObject({ max_tokens: 3, stop_token_ids: template.endOfTurnIds(), seed: deriveSeed(SEED, GROUP, e, 0) });
@@ -122,7 +122,7 @@ describe('an Env recipe and a ChatAgent recipe of the same task', () => {
   });
 
   test('the Python actor loader accepts both', () => {
-    const refs = [...envRun.result.refs, ...chatRun.result.refs];
+    const refs = [...envRun.refs, ...chatRun.refs];
     const script = `
 import json, sys
 sys.path.insert(0, "gpu-services")
@@ -148,12 +148,12 @@ describe('ChatAgent failures', () => {
     run(runId, 'copy-chat', { overrides: { agent: 'chat-fixture-agent.ts', 'env.mode': mode, 'rollout.max_failed_fraction': '1' }, agentDir: FIXTURES, router });
 
   test('a conversation rewritten mid-episode: each segment is its own trajectory, all with the episode\'s reward', async () => {
-    const { result, beats, router } = await fixtureRun('compact', 'compact');
-    expect(result.refs.map((r) => path.basename(r))).toEqual(['e0-s0', 'e0-s1', 'e1-s0', 'e1-s1', 'e2-s0', 'e2-s1'].map((k) => `${k}.safetensors`));
+    const { result, refs, beats, router } = await fixtureRun('compact', 'compact');
+    expect(refs.map((r) => path.basename(r))).toEqual(['e0-s0', 'e0-s1', 'e1-s0', 'e1-s1', 'e2-s0', 'e2-s1'].map((k) => `${k}.safetensors`));
     expect(Object.values(beats[beats.length - 1].done).map((d) => d.refs.length)).toEqual([2, 2, 2]);
     expect(result.tokens).toBe(router.calls.reduce((n, c) => n + c.res.token_ids.length, 0));
     const template = ChatTemplate.load(tinyModel());
-    for (const ref of result.refs) {
+    for (const ref of refs) {
       const { trajectory, meta } = readTrajectory(storeRoot, ref);
       const call = router.calls.filter((c) => c.session === `compact/g${GROUP}/e${meta.episode}`)[meta.segment]; // one call per segment, in order
       const content = meta.segment === 0 ? 'hi>' : 'summary>';
@@ -171,7 +171,7 @@ describe('ChatAgent failures', () => {
   });
 
   test('an agent that throws fails its episode only', async () => {
-    const { result, beats } = await fixtureRun('throw-once', 'throw-once');
+    const { result, refs, beats } = await fixtureRun('throw-once', 'throw-once');
     expect(result.failed).toBe(1);
     expect(result.rewards).toEqual([0.5, 0.5]);
     const failed = Object.values(beats[beats.length - 1].failed);
@@ -181,7 +181,7 @@ describe('ChatAgent failures', () => {
 
   test('an agent that never calls the policy, or gives no prompt messages, fails its episodes with the reason', async () => {
     const silent = await fixtureRun('silent', 'silent');
-    expect([silent.result.failed, silent.result.refs]).toEqual([3, []]);
+    expect([silent.result.failed, silent.refs]).toEqual([3, []]);
     expect(Object.values(silent.beats[silent.beats.length - 1].failed)[0]).toMatch(/run\(\): no token was sampled from the policy/);
     const badPrompt = await fixtureRun('bad-prompt', 'bad-prompt');
     expect(badPrompt.result.failed).toBe(3);

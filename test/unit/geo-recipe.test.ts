@@ -12,7 +12,7 @@ import { MockActivityEnvironment } from '@temporalio/testing';
 import { evaluate, type EvaluateResult } from '../../activities/evaluate';
 import type { GenerateChunk, GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory, type Trajectory } from '../../activities/store';
+import { groupRefs, readTrajectory, type Trajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { ChatTemplate } from '../../agents/chat-template';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
@@ -49,7 +49,7 @@ async function run(runId: string, overrides: Record<string, string> = {}, agentD
   const endpoints = { engines: router.engines, actor: actor.url, token: TOKEN, storeRoot };
   const result = await (env.run(rolloutGroup, endpoints, router, { runId, groupIndex: 0, recipeDir: agentDir, config }) as
     Promise<GroupResult>);
-  return { result, router, manifest: beats[beats.length - 1] };
+  return { result, refs: groupRefs(runId, result), router, manifest: beats[beats.length - 1] };
 }
 
 // The actor's logprobs of a stored trajectory (fed its stored images) against the engine's, on the sampled tokens.
@@ -64,12 +64,12 @@ async function actorDiffs(t: Trajectory): Promise<number[]> {
 }
 
 test('a geo episode: expanded ids, the image stored once with the episode, actor logprobs = engine logprobs', async () => {
-  const { result, router } = await run('geo');
+  const { result, refs, router } = await run('geo');
   expect(result.failed).toBe(0);
-  expect(result.refs).toHaveLength(2);
+  expect(refs).toHaveLength(2);
   const problem = geoProblem(deriveSeed(0, 0), { kinds: ['angle', 'perimeter'], size: 128 });
   const diffs: number[] = [];
-  for (const [e, ref] of result.refs.entries()) {
+  for (const [e, ref] of refs.entries()) {
     const { trajectory: t } = readTrajectory(storeRoot, ref);
     const call = router.calls.find((c) => c.session === `geo/g0/e${e}`)!;
     // the engine generated over these ids with this image; the trajectory is exactly them plus what it sampled
@@ -85,7 +85,7 @@ test('a geo episode: expanded ids, the image stored once with the episode, actor
   expect([geoReward('C = 86', problem.answer), geoReward(`${problem.answer}`, problem.answer)]).toEqual([+(problem.answer === 86), 1]);
   const imageDir = path.join(storeRoot, 'geo', 'images', 'g0', 'e0');
   const imageBytes = fs.readdirSync(imageDir).reduce((n, f) => n + fs.statSync(path.join(imageDir, f)).size, 0);
-  const trajBytes = fs.statSync(path.join(storeRoot, result.refs[0])).size;
+  const trajBytes = fs.statSync(path.join(storeRoot, refs[0])).size;
   console.log(`geo: engine vs actor max |logprob diff| on ${diffs.length} sampled tokens ${Math.max(...diffs).toExponential(2)}; `
     + `stored bytes per episode: image ${imageBytes}, trajectory ${trajBytes}`);
   expect(diffs.length).toBeGreaterThan(0);
@@ -113,15 +113,15 @@ test('env.python_tool: the policy runs Python between turns; the tool turn is co
   const call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>';
   // episode 0 answers from the real engine after the tool turn; episode 1 with the right number (reward 1)
   const router = new ScriptedRouter([engine.url], (s) => (s.endsWith('e0') ? [call] : [call, `It is ${problem.answer}`]));
-  const { result } = await run('geo-tool', { 'env.python_tool': 'true', max_context: '1024', 'sampling.max_tokens': '8' },
+  const { result, refs } = await run('geo-tool', { 'env.python_tool': 'true', max_context: '1024', 'sampling.max_tokens': '8' },
     RECIPE_DIR, router);
   expect(result.failed).toBe(0);
-  expect(result.refs).toHaveLength(2); // one segment per episode: each turn extends the conversation
+  expect(refs).toHaveLength(2); // one segment per episode: each turn extends the conversation
   const template = ChatTemplate.load(path.join(dir, 'model'));
   // (the tiny VLM's template, rendered with trim_blocks as transformers does, drops the newline before the close)
   const toolTurn = template.tokenizer.encode(
     '\n<|im_start|>user\n<tool_response>\n42</tool_response><|im_end|>\n<|im_start|>assistant\n');
-  for (const [e, ref] of result.refs.entries()) {
+  for (const [e, ref] of refs.entries()) {
     const { trajectory: t } = readTrajectory(storeRoot, ref);
     const [first, second] = router.calls.filter((c) => c.session === `geo-tool/g0/e${e}`);
     const afterCall = first.body.prompt_token_ids.length + first.res.token_ids.length;
@@ -141,7 +141,7 @@ test('env.python_tool: the policy runs Python between turns; the tool turn is co
   }
   expect(result.rewards[1]).toBe(1);
   // the tokens the engine sampled after the tool turn, over the image: the actor computes the engine's logprobs
-  const { trajectory: t0 } = readTrajectory(storeRoot, result.refs[0]);
+  const { trajectory: t0 } = readTrajectory(storeRoot, refs[0]);
   const sampled = router.calls.find((c) => c.session === 'geo-tool/g0/e0' && c.res.request_id !== 'scripted')!.res;
   const diffs = (await actorDiffs(t0)).slice(-sampled.token_ids.length);
   console.log(`geo with the python tool: ${t0.tokens.length} tokens, engine vs actor max |logprob diff| on the `
@@ -154,19 +154,19 @@ test('env.python_tool: the policy runs Python between turns; the tool turn is co
 }, 600_000);
 
 test('an image that does not decode fails its episode with a 400 naming message and part, not the activity', async () => {
-  const { result, manifest } = await run('geo-bad', { 'rollout.max_failed_fraction': '1' },
+  const { result, refs, manifest } = await run('geo-bad', { 'rollout.max_failed_fraction': '1' },
     path.join(__dirname, 'fixtures', 'geo-bad-image'));
   expect(result.failed).toBe(2);
-  expect(result.refs).toEqual([]);
+  expect(refs).toEqual([]);
   for (const message of Object.values(manifest.failed)) {
     expect(message).toMatch(/400 messages\[0\]\.content\[1\]: .*image does not decode/);
   }
 }, 600_000);
 
 test('the Env form: observations carry images, the same picture twice is one stored file', async () => {
-  const { result, router } = await run('geo-env', {}, path.join(__dirname, 'fixtures', 'geo-env'));
+  const { result, refs, router } = await run('geo-env', {}, path.join(__dirname, 'fixtures', 'geo-env'));
   expect(result.failed).toBe(0);
-  const { trajectory: t } = readTrajectory(storeRoot, result.refs[0]);
+  const { trajectory: t } = readTrajectory(storeRoot, refs[0]);
   const turns = router.calls.filter((c) => c.session === 'geo-env/g0/e0');
   expect(turns).toHaveLength(2);
   expect(turns[1].body.images).toHaveLength(2);

@@ -7,7 +7,7 @@ import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { EVAL_GROUP_BASE, evaluate, type EvaluateResult } from '../../activities/evaluate';
 import { rolloutGroup } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { contentText } from '../../agents/chat-template';
 import { deriveSeed } from '../../agents/env-runner';
@@ -75,7 +75,7 @@ describe('with a real engine process', () => {
     const tokenizer = tokenizerFor(tinyModel());
     const p = groupProblem({ groupIndex: 5, seed: deriveSeed(3, 5) }, problemSettings(config.env));
     const prompt = tokenizer.encode(observationOf(p));
-    result.refs.forEach((ref, e) => {
+    groupRefs('m', result).forEach((ref, e) => {
       const call = router.calls.find((c) => c.session === `m/g5/e${e}`)!;
       expect(call.body.prompt_token_ids).toEqual(prompt);
       expect(call.body.sampling.max_tokens).toBe(16);

@@ -9,7 +9,7 @@ import { MockActivityEnvironment } from '@temporalio/testing';
 import { callService, ServiceError } from '../../activities/gpu-client';
 import { evaluate } from '../../activities/evaluate';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult, ServiceEndpoints } from '../../activities/types';
 import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
@@ -106,7 +106,7 @@ test('judge and teacher calls are journaled: the retried activity replays them w
   expect(result.metrics!['agent/judge_unparsed']).toBe(firstAnswers.filter((s) => s === null).length);
 
   // The teacher's logprobs of the sampled ids are stored with the trajectory (0 elsewhere).
-  const { trajectory } = readTrajectory(storeRoot, result.refs[0]);
+  const { trajectory } = readTrajectory(storeRoot, groupRefs('pools', result)[0]);
   const scored = await new EngineRouter([pool.url], TOKEN).score('check', trajectory.tokens);
   trajectory.lossMask.forEach((m, i) => expect(trajectory.teacherLogprobs![i]).toBeCloseTo(m ? scored[i] : 0, 4));
 });

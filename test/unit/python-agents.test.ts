@@ -10,7 +10,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import { runChatEpisode } from '../../agents/chat-runner';
 import type { GenerateFn, Sampling } from '../../agents/chat-session';
@@ -130,18 +130,18 @@ describe('Python agents through rolloutGroup, a real engine process', () => {
     const started = Date.now();
     const result = await (env.run(rolloutGroup, endpoints, router,
       { runId, groupIndex: 1, recipeDir: agentDir ?? recipeDir, config }) as Promise<GroupResult>);
-    return { result, router, config, failed: beats[beats.length - 1].failed, seconds: (Date.now() - started) / 1000 };
+    return { result, refs: groupRefs(runId, result), router, config, failed: beats[beats.length - 1].failed, seconds: (Date.now() - started) / 1000 };
   }
 
   test('tool-calc-py: the Python prompt rendered with the tool, then every turn, stored token-exact', async () => {
-    const { result, router, config, seconds } = await run('tcpy', 'tool-calc-py');
+    const { result, refs, router, config, seconds } = await run('tcpy', 'tool-calc-py');
     expect(result.failed).toBe(0);
-    expect(result.refs).toHaveLength(3);
+    expect(refs).toHaveLength(3);
     const prompt = await ToolCalcPy.prompt({ groupIndex: 1, seed: deriveSeed(4, 1) }, config.env);
     expect(prompt.messages[0].content).toMatch(/ Use the calculator\. Put the final answer in \\boxed\{\}\.$/);
     const template = ChatTemplate.load(tinyModel());
     const first = template.tokenizer.encode(template.render(prompt.messages, prompt.tools, true));
-    result.refs.forEach((ref, e) => {
+    refs.forEach((ref, e) => {
       const calls = router.calls.filter((c) => c.session === `tcpy/g1/e${e}`);
       expect(calls[0].body.prompt_token_ids).toEqual(first);
       const last = calls[calls.length - 1];
@@ -153,7 +153,7 @@ describe('Python agents through rolloutGroup, a real engine process', () => {
   });
 
   test('math-py: the Python env\'s observation and the sampled ids, rewarded by the Python verifier', async () => {
-    const { result, router, seconds } = await run('mpy', 'math-py');
+    const { result, refs, router, seconds } = await run('mpy', 'math-py');
     expect(result.failed).toBe(0);
     const script = 'import json, sys; from arithmetic import group_problem; ' +
       'p = group_problem({"groupIndex": 1, "seed": int(sys.argv[1])}, {}); print(json.dumps([p.text, str(p.answer)]))';
@@ -161,7 +161,7 @@ describe('Python agents through rolloutGroup, a real engine process', () => {
       { env: { ...process.env, PYTHONPATH: path.join(REPO_ROOT, 'recipes', 'python') } }).toString());
     const tokenizer = tokenizerFor(tinyModel());
     const prompt = tokenizer.encode(`Q: ${text} Put the answer in \\boxed{}.\nA:`);
-    result.refs.forEach((ref, e) => {
+    refs.forEach((ref, e) => {
       const c = router.calls.find((x) => x.session === `mpy/g1/e${e}`)!;
       expect(c.body.prompt_token_ids).toEqual(prompt);
       const { trajectory, meta } = readTrajectory(storeRoot, ref);
@@ -172,7 +172,7 @@ describe('Python agents through rolloutGroup, a real engine process', () => {
   });
 
   test('a Python env may print: the protocol stays intact over several turns', async () => {
-    const { result, router } = await run('pyprint', 'math-py', { agent: 'py-env-agent.ts', 'env.mode': 'print' }, FIXTURES);
+    const { result, refs, router } = await run('pyprint', 'math-py', { agent: 'py-env-agent.ts', 'env.mode': 'print' }, FIXTURES);
     expect(result.failed).toBe(0);
     expect(result.rewards).toEqual([2, 2, 2]);
     const tokenizer = tokenizerFor(tinyModel());

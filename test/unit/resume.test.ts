@@ -12,7 +12,7 @@ import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import type { GenerateChunk, GenerateRequest } from '../../activities/gpu-client';
 import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult, ResolvedGroupInput, ServiceEndpoints } from '../../activities/types';
 import { RecordingRouter, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 
@@ -61,7 +61,7 @@ async function retry(input: ResolvedGroupInput, endpoints: ServiceEndpoints, hea
   const router = new RecordingRouter(endpoints.engines, TOKEN);
   const env = new MockActivityEnvironment({ heartbeatDetails });
   const result = await (env.run(rolloutGroup, endpoints, router, input) as Promise<GroupResult>);
-  return { result, router };
+  return { result, refs: groupRefs(input.runId, result), router };
 }
 
 const sampledPart = (t: { tokens: number[]; logprobs: number[]; versions: number[]; lossMask: number[] }) => ({
@@ -110,14 +110,14 @@ test('Env form: kill -9 mid-generation; finished episodes reused, answered turns
   const e0 = path.join(storeRoot, lastBeat.done[0].refs[0]);
   const e0Before = fs.statSync(e0).mtimeMs;
 
-  const { result, router } = await retry(input, endpoints, lastBeat);
+  const { result, refs, router } = await retry(input, endpoints, lastBeat);
   expect(result.failed).toBe(0);
-  expect(result.refs).toHaveLength(3);
+  expect(refs).toHaveLength(3);
   expect(fs.statSync(e0).mtimeMs).toBe(e0Before); // episode 0 not rewritten
   expect(router.calls.map((c) => c.session).filter((s) => s.endsWith('/e0'))).toEqual([]); // nor regenerated
   for (const [i, e] of [1, 2].entries()) {
     const calls = router.calls.filter((c) => c.session === `${runId}/g0/e${e}`);
-    const { trajectory } = readTrajectory(storeRoot, result.refs[e]);
+    const { trajectory } = readTrajectory(storeRoot, refs[e]);
     const final = sampledPart(trajectory);
     const partial = journalSampled(saved[i]);
     // Turn 0 was not asked again: the first request continues turn 1 right after the saved ids.
@@ -147,13 +147,13 @@ test('ChatAgent form: the loopback server answers the journaled request, the int
   const saved = [0, 1].map((e) => readJournal(storeRoot, journalKey(runId, 0, e))!);
   saved.forEach((j) => expect(j.calls).toHaveLength(1));
 
-  const { result, router } = await retry(input, endpoints, lastBeat);
+  const { result, refs, router } = await retry(input, endpoints, lastBeat);
   expect(result.failed).toBe(0);
   for (const e of [0, 1]) {
     const calls = router.calls.filter((c) => c.session === `${runId}/g0/e${e}`);
     // A reply that does not re-render as sampled starts a new segment: the episode's sampled ids
     // are those of its segments in order.
-    const segments = result.refs.filter((r) => path.basename(r).startsWith(`e${e}-`)).map((r) => sampledPart(readTrajectory(storeRoot, r).trajectory));
+    const segments = refs.filter((r) => path.basename(r).startsWith(`e${e}-`)).map((r) => sampledPart(readTrajectory(storeRoot, r).trajectory));
     const final = { tokens: segments.flatMap((s) => s.tokens), logprobs: segments.flatMap((s) => s.logprobs), versions: segments.flatMap((s) => s.versions) };
     const partial = journalSampled(saved[e]);
     // The first request was answered from the journal: the engine saw only the continuation.

@@ -12,7 +12,7 @@ import { EngineRouter } from '../../agents/router';
 import { tokenizerFor } from '../../agents/tokenizer';
 import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult, ServiceEndpoints } from '../../activities/types';
 import { copyTarget } from '../../recipes/copy/agent';
 import { freePort, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
@@ -136,16 +136,16 @@ describe('rolloutGroup', () => {
     env.on('heartbeat', (d) => beats.push(JSON.parse(JSON.stringify(d))));
     const router = new EngineRouter(endpoints().engines, TOKEN);
     const result = await (env.run(rolloutGroup, endpoints(), router, { runId, groupIndex: 4, recipeDir, config }) as Promise<GroupResult>);
-    return { result, beats };
+    return { result, refs: groupRefs(runId, result), beats };
   }
 
   test('the copy recipe: G episodes of one task, each in the store with its reward', async () => {
     const config = copyConfig({ group_size: 4, seed: 9 });
-    const { result, beats } = await run('copy-run', path.join(REPO_ROOT, 'recipes', 'copy'), config);
-    expect(result.refs).toEqual([0, 1, 2, 3].map((e) => `copy-run/trajectories/g4/e${e}-s0.safetensors`));
+    const { result, refs, beats } = await run('copy-run', path.join(REPO_ROOT, 'recipes', 'copy'), config);
+    expect(refs).toEqual([0, 1, 2, 3].map((e) => `copy-run/trajectories/g4/e${e}-s0.safetensors`));
     expect(result).toMatchObject({ groupIndex: 4, failed: 0, tokens: 12, minVersion: 0, maxVersion: 0 });
     const prompt = tokenizerFor(tinyModel()).encode(`copy ${copyTarget(deriveSeed(9, 4), 'abcd', 3)}>`);
-    result.refs.forEach((ref, e) => {
+    refs.forEach((ref, e) => {
       const { trajectory, meta } = readTrajectory(storeRoot, ref);
       expect(trajectory.tokens.slice(0, prompt.length)).toEqual(prompt); // every episode of the group has the same task
       expect(trajectory.lossMask).toEqual([...prompt.map(() => 0), 1, 1, 1]);
@@ -168,7 +168,7 @@ describe('rolloutGroup', () => {
     const config = copyConfig({ group_size: 4, agent: 'echo-agent.ts', env: { failEpisode: 2, turns: 2 }, max_context: 128 });
     const first = await run('echo-run', FIXTURES, config);
     expect(first.result.failed).toBe(1);
-    expect(first.result.refs.map((r) => path.basename(r))).toEqual(['e0-s0.safetensors', 'e1-s0.safetensors', 'e3-s0.safetensors']);
+    expect(first.refs.map((r) => path.basename(r))).toEqual(['e0-s0.safetensors', 'e1-s0.safetensors', 'e3-s0.safetensors']);
     expect(first.result.rewards).toEqual([2, 2, 2]);
     const manifest = first.beats[first.beats.length - 1];
     expect(Object.keys(manifest.failed)).toEqual(['2']);
@@ -179,13 +179,13 @@ describe('rolloutGroup', () => {
 
     // Retry as Temporal would, with the last heartbeat minus episode 1 (as if it had not finished).
     const inode = (ref: string) => fs.statSync(path.join(storeRoot, ref)).ino;
-    const before = first.result.refs.map(inode);
+    const before = first.refs.map(inode);
     const partial: RolloutManifest = { done: { 0: manifest.done[0], 3: manifest.done[3] }, failed: manifest.failed };
     const second = await run('echo-run', FIXTURES, config, partial);
-    expect(second.result.refs).toEqual(first.result.refs);
+    expect(second.refs).toEqual(first.refs);
     expect(second.result.rewards).toEqual([2, 2, 2]);
     expect(second.result.failed).toBe(1);
-    const after = second.result.refs.map(inode);
+    const after = second.refs.map(inode);
     expect([after[0] === before[0], after[1] === before[1], after[2] === before[2]]).toEqual([true, false, true]); // only e1 rewritten
   });
 });

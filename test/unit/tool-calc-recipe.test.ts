@@ -9,7 +9,7 @@ import * as path from 'node:path';
 import OpenAI from 'openai';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { rolloutGroup } from '../../activities/rollout';
-import { readTrajectory } from '../../activities/store';
+import { groupRefs, readTrajectory } from '../../activities/store';
 import type { GroupResult } from '../../activities/types';
 import type { GenerateFn, Sampling } from '../../agents/chat-session';
 import { ChatTemplate, contentText, type ChatMessage } from '../../agents/chat-template';
@@ -180,14 +180,15 @@ describe('tool-calc episodes through rolloutGroup, a real engine process', () =>
       { runId: 'tc', groupIndex: 2, recipeDir, config }) as Promise<GroupResult>);
     const seconds = (Date.now() - started) / 1000;
     expect(result.failed).toBe(0);
-    expect(result.refs.map((r) => path.basename(r))).toEqual(['e0-s0', 'e1-s0', 'e2-s0'].map((k) => `${k}.safetensors`));
+    const refs = groupRefs('tc', result);
+    expect(refs.map((r) => path.basename(r))).toEqual(['e0-s0', 'e1-s0', 'e2-s0'].map((k) => `${k}.safetensors`));
 
     const task = { groupIndex: 2, seed: deriveSeed(5, 2) };
     const prompt = await AgentRunner.prompt(task, config.env);
     expect(prompt.messages[0].content).toContain(groupProblem(task, problemSettings(config.env)).text);
     const template = ChatTemplate.load(tinyModel());
     const first = template.tokenizer.encode(template.render(prompt.messages, [CALCULATOR], true));
-    result.refs.forEach((ref, e) => {
+    refs.forEach((ref, e) => {
       const calls = router.calls.filter((c) => c.session === `tc/g2/e${e}`);
       expect(calls.length).toBeGreaterThanOrEqual(1);
       expect(calls[0].body.prompt_token_ids).toEqual(first);
@@ -201,6 +202,6 @@ describe('tool-calc episodes through rolloutGroup, a real engine process', () =>
       expect(meta.reward).toBe(result.rewards[e]);
     });
     console.log(`tool-calc: 3 episodes in ${seconds.toFixed(1)} s, ${result.tokens} sampled tokens, ` +
-      `${Math.round(result.refs.reduce((n, r) => n + readTrajectory(storeRoot, r).trajectory.tokens.length, 0) / 3)} tokens per episode`);
+      `${Math.round(refs.reduce((n, r) => n + readTrajectory(storeRoot, r).trajectory.tokens.length, 0) / 3)} tokens per episode`);
   });
 });

@@ -43,7 +43,7 @@ const trainCalls: TrainStepInput[] = [];
 let holdTraining = false;
 const activities = {
   async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
-    return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
+    return { groupIndex: input.groupIndex, episodes: [0], segments: [1], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
   },
   async trainStep(input: TrainStepInput) {
     trainedSteps.push(input.step);

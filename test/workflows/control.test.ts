@@ -30,7 +30,7 @@ function services() {
       s.running.add(input.groupIndex);
       while (!s.released.has(input.groupIndex)) { ctx.heartbeat(); await ctx.sleep(20); }
       s.running.delete(input.groupIndex);
-      return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`, `${input.runId}/g${input.groupIndex}/e1`], rewards: [1, 0], failed: 0, tokens: 8, minVersion: 0, maxVersion: 0, seconds: 0.01 };
+      return { groupIndex: input.groupIndex, episodes: [0, 1], segments: [1, 1], rewards: [1, 0], failed: 0, tokens: 8, minVersion: 0, maxVersion: 0, seconds: 0.01 };
     },
     async trainStep(input: TrainStepInput) {
       s.trainCalls.push(input);
@@ -111,7 +111,7 @@ test('set changes lr and batch size from the next step, across continue-as-new; 
     for (let i = 0; i < 4; i++) await releaseOne(s);
     const summary = await handle.result();
     expect(summary.steps).toBe(3);
-    expect(s.trainCalls.map((c) => [c.step, c.algo.lr, c.refs.length])).toEqual([[1, 1e-3, 2], [2, 1e-4, 4], [3, 1e-4, 4]]);
+    expect(s.trainCalls.map((c) => [c.step, c.algo.lr, c.groups.flatMap((g) => g.episodes).length])).toEqual([[1, 1e-3, 2], [2, 1e-4, 4], [3, 1e-4, 4]]);
     expect(s.metrics.map((m) => m.metrics['control/lr'])).toEqual([1e-3, 1e-4, 1e-4]);
     // Step 2 drained the first execution (its groups 1 and 2 were in flight); step 3 came in the second.
     // Each execution of the chain says which run it is, which link, and which step (UI current details).

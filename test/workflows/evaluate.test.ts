@@ -22,7 +22,7 @@ test('evaluate runs every eval.every steps, concurrently with training, and its 
   const activities = {
     async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
       await Context.current().sleep(10);
-      return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`], rewards: [0.5], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0.01 };
+      return { groupIndex: input.groupIndex, episodes: [0], segments: [1], rewards: [0.5], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0.01 };
     },
     async trainStep(input: TrainStepInput) { trained.push(input.step); return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.5 } }; },
     async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },

@@ -15,7 +15,7 @@ afterAll(async () => { await env?.teardown(); });
 const activities = {
   async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
     await Context.current().sleep(5);
-    return { groupIndex: input.groupIndex, refs: [`${input.runId}/trajectories/g${input.groupIndex}/e0-s0.safetensors`], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
+    return { groupIndex: input.groupIndex, episodes: [0], segments: [1], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
   },
   async trainStep(input: TrainStepInput) { return { step: input.step, version: input.step, replayed: false, metrics: {} }; },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },

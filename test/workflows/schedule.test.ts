@@ -27,7 +27,7 @@ const cli = (...args: string[]) => runCli(args, { MOLT_TEMPORAL_ADDRESS: env.add
 
 const activities = {
   async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
-    return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
+    return { groupIndex: input.groupIndex, episodes: [0], segments: [1], rewards: [1], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
   },
   async trainStep(input: TrainStepInput) { return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.25 } }; },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },

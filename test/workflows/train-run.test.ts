@@ -75,7 +75,7 @@ function fakeServices(opts: {
       if (opts.overBudget?.(g)) throw ApplicationFailure.nonRetryable(`group ${g}: 2 of 2 episodes failed, over the failure budget`, 'FailureBudgetExceeded');
       const episodes = opts.empty?.(g) ? [] : [...Array(config.group_size).keys()]; // empty: every episode failed
       const result: GroupResult = {
-        groupIndex: g, refs: episodes.map((e) => `${input.runId}/g${g}/e${e}`), rewards: episodes.map((e) => (g + e) % 2),
+        groupIndex: g, episodes, segments: episodes.map(() => 1), rewards: episodes.map((e) => (g + e) % 2),
         failed: config.group_size - episodes.length, tokens: 8 * episodes.length, minVersion, maxVersion: s.version, seconds: 0.01,
       };
       s.results.set(g, result);
@@ -107,8 +107,7 @@ function fakeServices(opts: {
   return { s, activities };
 }
 
-const groupsOf = (refs: string[]) => [...new Set(refs.map((r) => Number(/\/g(\d+)\//.exec(r)![1])))];
-const stepBatches = (s: ReturnType<typeof fakeServices>['s']) => s.trainCalls.filter((c) => c.attempt === 1).map((c) => groupsOf(c.input.refs));
+const stepBatches = (s: ReturnType<typeof fakeServices>['s']) => s.trainCalls.filter((c) => c.attempt === 1).map((c) => c.input.groups.map((g) => g.groupIndex));
 const heldUntilStep = async (open: () => number, step: number) => {
   while (open() < step) await Context.current().sleep(20);
 };
@@ -298,7 +297,7 @@ test('a failed trainStep is retried with the same (runId, step); a failed group 
     expect(s.trainCalls.map((c) => [c.input.runId, c.input.step, c.attempt])).toEqual([
       [runId, 1, 1], [runId, 2, 1], [runId, 2, 2], [runId, 3, 1],
     ]);
-    expect(s.trainCalls[2].input.refs).toEqual(s.trainCalls[1].input.refs);
+    expect(s.trainCalls[2].input.groups).toEqual(s.trainCalls[1].input.groups);
     expect(s.refits).toEqual([1, 2, 3]);
     const trained = stepBatches(s).flat();
     expect(new Set(trained).size).toBe(trained.length);

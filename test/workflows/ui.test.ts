@@ -35,7 +35,7 @@ afterAll(async () => {
 const activities = {
   async rolloutGroup(input: RolloutGroupInput): Promise<GroupResult> {
     await Context.current().sleep(10);
-    return { groupIndex: input.groupIndex, refs: [`${input.runId}/g${input.groupIndex}/e0`], rewards: [0.75], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
+    return { groupIndex: input.groupIndex, episodes: [0], segments: [1], rewards: [0.75], failed: 0, tokens: 4, minVersion: 0, maxVersion: 0, seconds: 0 };
   },
   async trainStep(input: TrainStepInput) { return { step: input.step, version: input.step, replayed: false, metrics: { loss: 0.25 } }; },
   async refit(input: { version: number }) { return { version: input.version, seconds: 0, bytes: 0 }; },
