@@ -32,6 +32,8 @@ test('bench --smoke writes a report with every part measured', () => {
   for (const r of report.scale) {
     expect(r.trajectoriesPerSecond).toBeGreaterThan(0);
     expect(r.eventsPerGroup).toBeGreaterThan(0);
+    expect(r.stepSeconds).toHaveLength(r.steps - 1);
+    expect(r.executions).toBeGreaterThanOrEqual(1);
   }
   // the engine benchmark ran (a smoke run of bench/engine.py: 1 and 4 concurrent, then refit)
   expect(report.engine.rows).toHaveLength(3);
