@@ -8,9 +8,10 @@ export const LIVE_SETTINGS = {
   'algo.lr': z.number().positive('must be a positive number'),
   'algo.entropy_coef': z.number(),
   'algo.kl_coef': z.number().min(0, 'must be a number >= 0'),
-  // A step's results travel through Temporal in payloads of at most 2 MB: its trainStep input (a ~70-byte store
-  // key per trajectory) and the results a run carries across continue-as-new (fewer than a batch). Past that
-  // the workflow task fails and the run freezes, so these bounds refuse it up front (see stepTooLarge too).
+  // A step's results travel through Temporal in payloads of at most 2 MB: its trainStep input and the results a
+  // run carries across continue-as-new (fewer than a batch; ~150 bytes a group, ~25 a trajectory: its reward,
+  // episode and segment count). Past that the workflow task fails and the run freezes, so these bounds refuse
+  // it up front (see stepTooLarge too).
   'batch.groups': positiveInt.max(2048, 'at most 2048: a step\'s results travel in one Temporal payload (2 MB)')
     .describe('prompt groups per training step'),
   // Each workflow holds at most 256 groups in flight as pending activities (workflows/rollout-pool.ts shards the
@@ -22,10 +23,11 @@ export type LiveSetting = keyof typeof LIVE_SETTINGS;
 
 // Trajectories per step (batch.groups x group_size), bounded for the same reason as batch.groups; checked
 // where the recipe loads and where a `set` changes batch.groups. Null when the step fits.
-export const MAX_STEP_TRAJECTORIES = 16_384;
+// (At 16,384 when a result named each trajectory by its ~70-byte store key.)
+export const MAX_STEP_TRAJECTORIES = 32_768;
 export function stepTooLarge(c: { batch: { groups: number }; group_size: number }): string | null {
   const n = c.batch.groups * c.group_size;
   return n <= MAX_STEP_TRAJECTORIES ? null
     : `batch.groups x group_size = ${c.batch.groups} x ${c.group_size} = ${n} trajectories a step: at most ${MAX_STEP_TRAJECTORIES}, `
-      + 'as their store keys travel in one Temporal payload (2 MB)';
+      + 'as a step\'s results travel in one Temporal payload (2 MB)';
 }

@@ -10,12 +10,14 @@ import * as http from 'node:http';
 import type { AddressInfo } from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
+import { defaultPayloadConverter } from '@temporalio/common';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { createActivities } from '../../activities';
 import { callService, type ActorHealth } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { groupRefs, readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
-import type { GroupResult, ServiceEndpoints } from '../../activities/types';
+import type { GroupResult, ServiceEndpoints, TrainStepInput } from '../../activities/types';
+import { MAX_STEP_TRAJECTORIES } from '../../agents/live-settings';
 import { loadRecipe, RecipeConfig, RecipeError, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
 import { startActor, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
@@ -56,10 +58,31 @@ test('a malformed rollout section of the recipe is named by its field', () => {
   expect(loadRecipe(dir, { 'pool.inflight': '10000' }).pool.inflight).toBe(10000);
   // A step's results must fit one Temporal payload: past that the run's workflow task would fail forever.
   expect(() => loadRecipe(dir, { 'batch.groups': '2049' })).toThrow(/batch\.groups: at most 2048: a step's results travel in one Temporal payload/);
-  expect(() => loadRecipe(dir, { 'batch.groups': '2048', group_size: '16' }))
-    .toThrow(/batch\.groups: batch\.groups x group_size = 2048 x 16 = 32768 trajectories a step: at most 16384/);
-  expect(loadRecipe(dir, { 'batch.groups': '2048', group_size: '8' }).batch.groups).toBe(2048);
+  expect(() => loadRecipe(dir, { 'batch.groups': '2048', group_size: '17' }))
+    .toThrow(/batch\.groups: batch\.groups x group_size = 2048 x 17 = 34816 trajectories a step: at most 32768/);
+  expect(loadRecipe(dir, { 'batch.groups': '2048', group_size: '16' }).batch.groups).toBe(2048);
   expect(loadRecipe(dir).rollout).toEqual({ max_failed_fraction: 0.5, partial_tokens: 64, partial_seconds: 5 });
+});
+
+// The bound above, checked on the payloads themselves: the largest step a recipe may ask for (2,048 groups of 16)
+// in a trainStep input, and the most results a run carries across continue-as-new (a batch less one group),
+// each as large as a long run makes it (group and step numbers of 7 digits, rewards of full precision, metrics).
+test('the largest step allowed fits one Temporal payload, as a step input and as carried results', () => {
+  const [groups, groupSize] = [2048, MAX_STEP_TRAJECTORIES / 2048];
+  const result = (g: number): GroupResult => {
+    const episodes = Array.from({ length: groupSize }, (_, e) => e);
+    return {
+      groupIndex: 1_000_000 + g, episodes, segments: episodes.map(() => 3), rewards: episodes.map(() => Math.random()),
+      failed: 0, tokens: 1_234_567, minVersion: 1_000_000, maxVersion: 1_000_001, seconds: Math.random() * 1000,
+      metrics: Object.fromEntries(['agent/turns', 'agent/tool_calls', 'pool/judge/calls', 'pool/judge/seconds'].map((k) => [k, Math.random() * 100])),
+    };
+  };
+  const batch = Array.from({ length: groups }, (_, g) => result(g));
+  const payloadBytes = (value: unknown) => defaultPayloadConverter.toPayload(value)!.data!.length;
+  const input: TrainStepInput = { runId: 'a-run-with-a-long-name-20261203-093000', step: 1_000_000,
+    groups: batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments })), algo: loadRecipe(path.join(REPO_ROOT, 'recipes', 'copy')).algo };
+  expect(payloadBytes(input)).toBeLessThan(1 << 20);
+  expect(payloadBytes({ ready: batch.slice(1) })).toBeLessThan(2 << 20);
 });
 
 test('failed episodes within the failure budget: the group goes on; over it: the activity fails for good, saying why', async () => {
