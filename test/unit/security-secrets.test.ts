@@ -73,7 +73,7 @@ test('after a run the token is in no workflow history, log or command line', asy
   }
   expect(workflows).toBe(1); // the run: its prompt groups are activities in its history
   // The payloads were decoded: what the activities were given is readable here.
-  for (const expected of ['"recipeDir"', 'rolloutGroup', 'trainStep', `${runId}/trajectories/`]) expect(histories).toContain(expected);
+  for (const expected of ['"recipeDir"', 'rolloutGroup', 'trainStep', `"runId":"${runId}"`, '"episodes":[', '"groups":[{"groupIndex":']) expect(histories).toContain(expected);
   expect(histories).not.toContain(stack.token);
 
   const logDir = path.join(stack.stateDir, 'logs');
