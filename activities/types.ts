@@ -49,6 +49,8 @@ export const carriesSample = (groupIndex: number, batchGroups: number) =>
 // A step's trajectories: its groups' finished episodes (the activity names their store keys).
 export type GroupTrajectories = Pick<GroupResult, 'groupIndex' | 'episodes' | 'segments'>;
 export interface TrainStepInput { runId: string; step: number; groups: GroupTrajectories[]; algo: AlgoConfig }
+export const stepGroups = (batch: GroupResult[]): GroupTrajectories[] =>
+  batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments }));
 export interface TrainStepResult { step: number; version: number; replayed: boolean; metrics: Record<string, number> }
 
 // An SFT step (workflows/sft-run.ts): the activity tokenizes the recipe's demonstrations itself.

@@ -10,7 +10,7 @@ import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { MockActivityEnvironment } from '@temporalio/testing';
 import { createActivities } from '../activities';
-import type { GroupResult } from '../activities/types';
+import { stepGroups, type GroupResult } from '../activities/types';
 import { REPO_ROOT, resolveModelDir, type RecipeConfig } from '../agents/recipe';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../workflows/train-run';
 import { startStack, stopStacksOnSignals, type Stack } from '../infra/stack';
@@ -178,7 +178,7 @@ export async function plainLoop(config: RecipeConfig, mode: 'streaming' | 'sync'
         trainedTokens += batch.reduce((n, g) => n + g.tokens, 0);
         if (mode === 'streaming') fill();
         const trainFrom = performance.now();
-        await activity.run(acts.trainStep, { runId, step, groups: batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments })), algo: config.algo });
+        await activity.run(acts.trainStep, { runId, step, groups: stepGroups(batch), algo: config.algo });
         meter.setPaused(true);
         await activity.run(acts.refit, { runId, version: step });
         meter.setPaused(false);

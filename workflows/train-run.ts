@@ -15,7 +15,7 @@ import {
   isCancellation, log, proxyActivities, setCurrentDetails, setHandler, sleep, upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
-import { SAMPLES_PER_STEP, type GroupResult } from '../activities/types';
+import { SAMPLES_PER_STEP, stepGroups, type GroupResult } from '../activities/types';
 import type { RecipeConfig } from '../agents/recipe';
 import {
   addEngineUpdate, applySettings, checkEngineUrl, checkpointUpdate, currentSettings, drainEngineUpdate, enginesQuery, pauseUpdate,
@@ -310,7 +310,7 @@ export async function trainRun(input: TrainRunInput): Promise<TrainRunSummary> {
 
       const step = run.step + 1; // step s produces policy version s
       batchInStep = batch;
-      const groups = batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments }));
+      const groups = stepGroups(batch);
       const trajectories = batch.reduce((n, g) => g.segments.reduce((m, s) => m + s, n), 0);
       const tokens = batch.reduce((n, g) => n + g.tokens, 0);
       const algo = config.algo; // a `set` during the step applies from the next one

@@ -16,7 +16,7 @@ import { createActivities } from '../../activities';
 import { callService, type ActorHealth } from '../../activities/gpu-client';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
 import { groupRefs, readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
-import type { GroupResult, ServiceEndpoints, TrainStepInput } from '../../activities/types';
+import { stepGroups, type GroupResult, type ServiceEndpoints, type TrainStepInput } from '../../activities/types';
 import { MAX_STEP_TRAJECTORIES } from '../../agents/live-settings';
 import { loadRecipe, RecipeConfig, RecipeError, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
@@ -80,7 +80,7 @@ test('the largest step allowed fits one Temporal payload, as a step input and as
   const batch = Array.from({ length: groups }, (_, g) => result(g));
   const payloadBytes = (value: unknown) => defaultPayloadConverter.toPayload(value)!.data!.length;
   const input: TrainStepInput = { runId: 'a-run-with-a-long-name-20261203-093000', step: 1_000_000,
-    groups: batch.map(({ groupIndex, episodes, segments }) => ({ groupIndex, episodes, segments })), algo: loadRecipe(path.join(REPO_ROOT, 'recipes', 'copy')).algo };
+    groups: stepGroups(batch), algo: loadRecipe(path.join(REPO_ROOT, 'recipes', 'copy')).algo };
   expect(payloadBytes(input)).toBeLessThan(1 << 20);
   expect(payloadBytes({ ready: batch.slice(1) })).toBeLessThan(2 << 20);
 });
