@@ -39,7 +39,9 @@ test('three steps train on sandbox-scored episodes', async () => {
   expect(lines.map((m) => m.step)).toEqual([1, 2, 3]);
   const tokenizer = tokenizerFor(resolveModelDir(config.model));
   const groupsDir = path.join(stack.storeRoot, runId, 'trajectories');
-  const refs = fs.readdirSync(groupsDir).flatMap((g) => fs.readdirSync(path.join(groupsDir, g)).map((f) => `${runId}/trajectories/${g}/${f}`));
+  // Written trajectories only: a group the run's end cancelled may still be writing one (a .tmp- file, renamed once whole).
+  const refs = fs.readdirSync(groupsDir).flatMap((g) => fs.readdirSync(path.join(groupsDir, g))
+    .filter((f) => f.endsWith('.safetensors')).map((f) => `${runId}/trajectories/${g}/${f}`));
   expect(refs.length).toBeGreaterThanOrEqual(STEPS * 2 * 4);
   for (const ref of refs.slice(0, 8)) {
     const { trajectory: t, meta } = readTrajectory(stack.storeRoot, ref);

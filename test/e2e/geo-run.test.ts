@@ -40,7 +40,9 @@ test('three steps train on image episodes', async () => {
   const health = await callService<EngineHealth>(stack.engines[0], '/health', stack.token, { response: 'EngineHealth' });
   expect(health.version).toBe(STEPS);
   const groupsDir = path.join(stack.storeRoot, runId, 'trajectories');
-  const refs = fs.readdirSync(groupsDir).flatMap((g) => fs.readdirSync(path.join(groupsDir, g)).map((f) => `${runId}/trajectories/${g}/${f}`));
+  // Written trajectories only: a group the run's end cancelled may still be writing one (a .tmp- file, renamed once whole).
+  const refs = fs.readdirSync(groupsDir).flatMap((g) => fs.readdirSync(path.join(groupsDir, g))
+    .filter((f) => f.endsWith('.safetensors')).map((f) => `${runId}/trajectories/${g}/${f}`));
   expect(refs.length).toBeGreaterThanOrEqual(STEPS * config.batch.groups * config.group_size);
   let imageBytes = 0;
   for (const ref of refs) {
