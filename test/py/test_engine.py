@@ -169,18 +169,26 @@ def test_events_come_in_chunks_not_one_per_token(tiny_model):
 
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("flat", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
 @torch.no_grad()
-def test_fast_forward_matches_the_models_forward(model, packed, flat, monkeypatch):
+def test_fast_forward_matches_the_models_forward(model, packed, flat, gqa, monkeypatch):
     """fast_forward (the engine's forward for dense Qwen3, over fused q/k/v and gate/up weights) against the model's
     own forward: a prefill of one unpadded row, a left-padded prefill whose padding no linear layer sees, then decode
     steps over the cache it wrote; then again after new weights are copied into the state_dict (as a weight push does).
     packed: every GEMM over oneDNN's reordered weights (by default only weights larger than the tiny model's).
     flat: the weights laid out in one buffer first (weight_transfer.flatten, as the engine does): the fused weights
-    are views of it, and the whole state dict is one span of bytes a push lands in."""
+    are views of it, and the whole state dict is one span of bytes a push lands in.
+    gqa: 4 query heads sharing 2 kv heads (as real Qwen3 models), which the decode steps' attention reads through a view.
+    10 decode steps: the cache grows its spare columns twice."""
     import copy
     import fast_forward
-    from transformers import DynamicCache
+    from make_tiny_model import model_config
+    from transformers import AutoModelForCausalLM, DynamicCache
     from weight_transfer import flatten, span
+    if gqa:
+        config = model_config(moe=False, heads=4)
+        config.num_key_value_heads = 2
+        model = AutoModelForCausalLM.from_config(config).eval()
     assert fast_forward.supports(model)
     if packed:
         monkeypatch.setattr(fast_forward, "PACK_MIN", 0)
@@ -196,20 +204,20 @@ def test_fast_forward_matches_the_models_forward(model, packed, flat, monkeypatc
         for name, t in fast.state_dict().items():
             t.copy_(reference.state_dict()[name])
         fast_forward.forget(fast)  # as the engine does after new weights land
-        seqs = [torch.randint(0, 256, (n + 4,), generator=g).tolist() for n in lens]
+        seqs = [torch.randint(0, 256, (n + 10,), generator=g).tolist() for n in lens]
         L = max(lens)
         ids = torch.tensor([[0] * (L - n) + s[:n] for s, n in zip(seqs, lens)])  # [B, L], left-padded
         mask = torch.tensor([[0] * (L - n) + [1] * n for n in lens])
         allowed = torch.ones(L, L, dtype=torch.bool).tril() & (mask.bool()[:, None, :] | torch.eye(L, dtype=torch.bool))
         cache = DynamicCache(config=fast.config)
         steps = [fast_forward.forward(fast, ids, (mask.cumsum(1) - 1).clamp(min=0), mask.bool(), cache, allowed[:, None])]
-        for t in range(4):
+        for t in range(10):
             mask = torch.cat([mask, torch.ones(len(lens), 1, dtype=mask.dtype)], 1)
             steps.append(fast_forward.forward(fast, torch.tensor([[s[n + t]] for s, n in zip(seqs, lens)]),
                                               torch.tensor([[n + t] for n in lens]), torch.ones(len(lens), 1, dtype=torch.bool),
                                               cache, mask.bool()[:, None, None, :]))
         for i, (s, n) in enumerate(zip(seqs, lens)):
-            want = reference(input_ids=torch.tensor([s])).logits[0, n - 1:n + 4]  # [5, V]
+            want = reference(input_ids=torch.tensor([s])).logits[0, n - 1:n + 10]  # [11, V]
             got = torch.stack([step[i] for step in steps])
             assert (got - want).abs().max() < 1e-5, (lens, i)
 
