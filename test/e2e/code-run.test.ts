@@ -6,7 +6,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
-import { readTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { deriveSeed } from '../../agents/env-runner';
 import { loadRecipe, REPO_ROOT, resolveModelDir } from '../../agents/recipe';
 import { tokenizerFor } from '../../agents/tokenizer';

@@ -10,7 +10,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { callService, type EngineHealth } from '../../activities/gpu-client';
-import { readTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { loadRecipe, REPO_ROOT, resolveModelDir, type RecipeConfig } from '../../agents/recipe';
 import { startStack, type Stack } from '../../infra/stack';
 import { addEngineUpdate, enginesQuery } from '../../workflows/control';

@@ -8,7 +8,7 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { Client, Connection } from '@temporalio/client';
 import { callService, type EngineHealth } from '../../activities/gpu-client';
-import { readTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { loadRecipe, REPO_ROOT } from '../../agents/recipe';
 import { startStack, type Stack } from '../../infra/stack';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';

@@ -10,7 +10,7 @@ import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { Client, Connection, WorkflowFailedError } from '@temporalio/client';
-import { readTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { loadRecipe, REPO_ROOT, resolveModelDir } from '../../agents/recipe';
 import { startStack, type Stack } from '../../infra/stack';
 import { runWorkflowId, TASK_QUEUES, trainRun } from '../../workflows/train-run';

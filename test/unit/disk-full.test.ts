@@ -8,7 +8,8 @@ import * as os from 'node:os';
 import * as path from 'node:path';
 import { EpisodeJournal, journalKey } from '../../activities/episode-journal';
 import { readMetrics, recordMetrics, metricsFile } from '../../activities/metrics';
-import { readTrajectory, trajectoryKey, writeTrajectory } from '../../activities/store';
+import { trajectoryKey, writeTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 
 const root = fs.mkdtempSync(path.join(os.tmpdir(), 'molt-disk-'));
 const disk = path.join(root, 'disk');

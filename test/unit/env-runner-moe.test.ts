@@ -11,7 +11,8 @@ import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import { EngineRouter } from '../../agents/router';
 import { tokenizerFor } from '../../agents/tokenizer';
 import type { GenerateRequest, GenerateResponse } from '../../activities/gpu-client';
-import { readTrajectory, writeTrajectory } from '../../activities/store';
+import { writeTrajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { PYTHON, startEngine, TOKEN, type Service } from './gpu-services';
 
 let engine: Service;

@@ -12,7 +12,8 @@ import { RecipeConfig, REPO_ROOT } from '../../agents/recipe';
 import type { GenerateChunk, GenerateRequest } from '../../activities/gpu-client';
 import { EpisodeJournal, journalKey, readJournal, type JournalFile } from '../../activities/episode-journal';
 import { rolloutGroup, type RolloutManifest } from '../../activities/rollout';
-import { groupRefs, readTrajectory } from '../../activities/store';
+import { groupRefs } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import type { GroupResult, ResolvedGroupInput, ServiceEndpoints } from '../../activities/types';
 import { RecordingRouter, startEngine, tinyModel, TOKEN, type Service } from './gpu-services';
 

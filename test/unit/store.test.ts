@@ -3,7 +3,8 @@ import { execFileSync } from 'node:child_process';
 import * as fs from 'node:fs';
 import * as os from 'node:os';
 import * as path from 'node:path';
-import { readTrajectory, trajectoryKey, writeTrajectory, type Trajectory } from '../../activities/store';
+import { trajectoryKey, writeTrajectory, type Trajectory } from '../../activities/store';
+import { readTrajectory } from '../helpers/store';
 import { REPO_ROOT } from '../../agents/recipe';
 
 const PYTHON = path.join(REPO_ROOT, '.venv', 'bin', 'python');
