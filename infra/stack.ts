@@ -77,17 +77,6 @@ export function stopStacksOnSignals(onSignal?: (signal: NodeJS.Signals) => void)
   }
 }
 
-export async function freePort(): Promise<number> {
-  return new Promise((resolve, reject) => {
-    const server = net.createServer();
-    server.once('error', reject);
-    server.listen(0, '127.0.0.1', () => {
-      const { port } = server.address() as net.AddressInfo;
-      server.close(() => resolve(port));
-    });
-  });
-}
-
 // n distinct free ports: every listener stays open until all n have their port.
 async function freePorts(n: number): Promise<number[]> {
   const servers = await Promise.all(Array.from({ length: n }, () => new Promise<net.Server>((resolve, reject) => {
@@ -99,6 +88,8 @@ async function freePorts(n: number): Promise<number[]> {
   await Promise.all(servers.map((server) => new Promise((resolve) => server.close(resolve))));
   return ports;
 }
+
+export const freePort = async (): Promise<number> => (await freePorts(1))[0];
 
 async function waitFor(what: string, check: () => Promise<boolean>, proc: ChildProcess, log: string, timeoutMs = 180_000) {
   const deadline = Date.now() + timeoutMs;
