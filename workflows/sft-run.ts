@@ -8,7 +8,7 @@
 import { condition, continueAsNew, defineQuery, proxyActivities, setHandler, workflowInfo } from '@temporalio/workflow';
 import type { Activities } from '../activities';
 import type { RecipeConfig } from '../agents/recipe';
-import { TASK_QUEUES } from './train-run';
+import { ACTOR_ACTIVITY_OPTIONS, CONTROL_WRITE_OPTIONS } from './train-run';
 
 export const sftProgressQuery = defineQuery<SftProgress>('sftProgress');
 
@@ -27,19 +27,9 @@ type Carried = Omit<SftProgress, 'totalSteps' | 'tokensPerSecond' | 'elapsedSeco
   & { tokens: number; startedAt: number };
 export interface SftRunInput { runId: string; recipeDir: string; config: RecipeConfig; carried?: Carried }
 
-const { sftStep, checkpoint, claimActor } = proxyActivities<Activities>({
-  taskQueue: TASK_QUEUES.actor,
-  startToCloseTimeout: '30 minutes',
-  heartbeatTimeout: '30 seconds',
-  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
-});
-
+const { sftStep, checkpoint, claimActor } = proxyActivities<Activities>(ACTOR_ACTIVITY_OPTIONS);
 // <store>/<runId>/metrics.jsonl and TensorBoard, one line per step (the loss curve), as trainRun writes them.
-const { recordMetrics } = proxyActivities<Activities>({
-  taskQueue: TASK_QUEUES.control,
-  startToCloseTimeout: '10 seconds',
-  retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
-});
+const { recordMetrics } = proxyActivities<Activities>(CONTROL_WRITE_OPTIONS);
 
 export async function sftRun(input: SftRunInput): Promise<SftProgress> {
   const { runId, recipeDir, config } = input;

@@ -11,7 +11,7 @@
 // batches that still form, and continues as new once no group is in flight, carrying the results
 // not yet trained. That happens once per ~10,000 history events (~100 steps of the embedded recipe).
 import {
-  ActivityFailure, allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery,
+  ActivityFailure, type ActivityOptions, allHandlersFinished, ApplicationFailure, CancellationScope, condition, continueAsNew, defineQuery,
   isCancellation, log, proxyActivities, setCurrentDetails, setHandler, sleep, upsertSearchAttributes, workflowInfo,
 } from '@temporalio/workflow';
 import type { Activities } from '../activities';
@@ -108,13 +108,15 @@ export interface TrainRunSummary {
 }
 
 // trainStep is idempotent on (runId, step) at the actor, so it may retry forever. The actor
-// activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout.
-const { trainStep, refit, checkpoint, claimActor, resumePoint } = proxyActivities<Activities>({
+// activities heartbeat while they wait, so a dead worker shows within the heartbeat timeout. sftRun's
+// actor activities use the same options.
+export const ACTOR_ACTIVITY_OPTIONS: ActivityOptions = {
   taskQueue: TASK_QUEUES.actor,
   startToCloseTimeout: '30 minutes',
   heartbeatTimeout: '30 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
-});
+};
+const { trainStep, refit, checkpoint, claimActor, resumePoint } = proxyActivities<Activities>(ACTOR_ACTIVITY_OPTIONS);
 // An engine joining the run (engines add) gets the current weights with this refit; one that cannot
 // be reached fails the join after a few tries instead of holding the actor.
 const { refit: joinRefit } = proxyActivities<Activities>({
@@ -127,11 +129,13 @@ const { refit: joinRefit } = proxyActivities<Activities>({
 // config.json. On the control queue, beside the loop: on the actor's queue (one activity at a time)
 // they could hold up the next trainStep. A write takes milliseconds: a short timeout, so that one
 // lost with its worker is retried within seconds (the end of the run and continue-as-new wait for it).
-const { recordMetrics, writeRunConfig } = proxyActivities<Activities>({
+// sftRun records its metrics with the same options.
+export const CONTROL_WRITE_OPTIONS: ActivityOptions = {
   taskQueue: TASK_QUEUES.control,
   startToCloseTimeout: '10 seconds',
   retry: { initialInterval: '1 second', backoffCoefficient: 2, maximumInterval: '1 minute' },
-});
+};
+const { recordMetrics, writeRunConfig } = proxyActivities<Activities>(CONTROL_WRITE_OPTIONS);
 
 // Held-out evaluation (activities/evaluate.ts) on the rollout workers. It writes nothing, so a retry
 // just runs it again; one that keeps failing is logged and skipped, never stops training.
