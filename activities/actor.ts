@@ -24,7 +24,7 @@ import {
   callService, ServiceError, type ActorHealth, type CheckpointResponse, type EngineHealth, type PushWeightsResponse, type SftExample,
   type SftStepRequest, type TrainStepRequest, type TrainStepResponse,
 } from './gpu-client';
-import { collectGarbage } from './run-folder';
+import { collectGarbage, latestCheckpoint } from './run-folder';
 import { groupRefs, writeFileAtomic } from './store';
 
 // /health, /pause and /resume answer at once unless the engine hangs (pause waits for one decode step).
@@ -87,14 +87,12 @@ export async function catchUpActor(e: ServiceEndpoints, runId: string, upTo: num
   let health = await actorHealth(e);
   if (health.run_id === runId && health.last_step >= upTo) return 0;
   const init = initDir(e.storeRoot, runId);
-  const latestFile = path.join(e.storeRoot, runId, 'checkpoints', 'latest');
-  const latest = fs.existsSync(latestFile) ? fs.readFileSync(latestFile, 'utf8').trim() : null;
+  const latest = latestCheckpoint(e.storeRoot, runId);
   if (latest !== null) {
-    const state = JSON.parse(fs.readFileSync(path.join(latest, 'trainer_state.json'), 'utf8')) as { step: number };
-    if (health.run_id !== runId || health.last_step < state.step) {
+    if (health.run_id !== runId || health.last_step < latest.step) {
       await callService<CheckpointResponse>(e.actor, '/checkpoint/load', e.token,
-        { body: { path: latest }, request: 'CheckpointRequest', response: 'CheckpointResponse' });
-      Context.current().log.info('actor behind the run: loaded its latest checkpoint', { runId, checkpoint: latest, step: state.step });
+        { body: { path: latest.path }, request: 'CheckpointRequest', response: 'CheckpointResponse' });
+      Context.current().log.info('actor behind the run: loaded its latest checkpoint', { runId, checkpoint: latest.path, step: latest.step });
       health = await actorHealth(e);
     }
   } else if (health.run_id !== runId && init !== null) {
@@ -231,16 +229,14 @@ async function pushWeights(endpoints: ServiceEndpoints, runId: string, version: 
 // manifest of a replayed step may name them).
 export async function resumePoint(e: ServiceEndpoints, input: { runId: string }): Promise<ResumePoint> {
   const runDir = path.join(e.storeRoot, input.runId);
-  const latestFile = path.join(runDir, 'checkpoints', 'latest');
-  const latest = fs.existsSync(latestFile) ? fs.readFileSync(latestFile, 'utf8').trim() : null;
-  const checkpointStep = latest ? (JSON.parse(fs.readFileSync(path.join(latest, 'trainer_state.json'), 'utf8')) as { step: number }).step : 0;
-  let step = checkpointStep;
+  const latest = latestCheckpoint(e.storeRoot, input.runId);
+  let step = latest?.step ?? 0;
   while (fs.existsSync(stepManifestPath(e.storeRoot, input.runId, step + 1))) step++;
   const groups = ['trajectories', 'partials'].flatMap((d) => (fs.existsSync(path.join(runDir, d)) ? fs.readdirSync(path.join(runDir, d)) : []))
     .flatMap((name) => /^g(\d+)$/.exec(name)?.slice(1).map(Number) ?? []);
   return {
     step, nextGroupIndex: groups.length ? Math.max(...groups) + 1 : 0,
-    checkpoint: latest ? { step: checkpointStep, path: latest } : null,
+    checkpoint: latest,
   };
 }
 

@@ -14,7 +14,7 @@
 // number, `liveFrom`: every group below it has been trained or dropped. A group dir that no kept
 // manifest names is deleted whole if a deleted manifest names it or it is below `liveFrom` (which
 // covers dropped groups and, once the run has ended, cancelled leftovers).
-import { promises as fs } from 'node:fs';
+import { existsSync, promises as fs, readFileSync } from 'node:fs';
 import * as path from 'node:path';
 import type { RecipeConfig } from '../agents/recipe';
 import { writeFileAtomic } from './store';
@@ -28,6 +28,15 @@ export interface GcResult { files: number; bytes: number } // removed: files and
 
 export function runConfigPath(storeRoot: string, runId: string): string {
   return path.join(storeRoot, runId, 'config.json');
+}
+
+// The run's newest complete checkpoint and the step it holds; null before the first. `checkpoints/latest`
+// holds the folder's path as written; it is found here by its name (the store may have moved since).
+export function latestCheckpoint(storeRoot: string, runId: string): { step: number; path: string } | null {
+  const checkpoints = path.join(storeRoot, runId, 'checkpoints');
+  if (!existsSync(path.join(checkpoints, 'latest'))) return null;
+  const dir = path.join(checkpoints, path.basename(readFileSync(path.join(checkpoints, 'latest'), 'utf8').trim()));
+  return { step: (JSON.parse(readFileSync(path.join(dir, 'trainer_state.json'), 'utf8')) as { step: number }).step, path: dir };
 }
 
 export interface RunConfigInput { runId: string; recipeDir: string; config: RecipeConfig }

@@ -5,7 +5,7 @@
 // `checkpoints/latest`. The policy is the run's own (`store` in its config.json) unless overridden.
 import * as fs from 'node:fs';
 import * as path from 'node:path';
-import { collectGarbage, runConfigPath, type GcPolicy, type GcResult } from '../activities/run-folder';
+import { collectGarbage, latestCheckpoint, runConfigPath, type GcPolicy, type GcResult } from '../activities/run-folder';
 import { RecipeConfig } from '../agents/recipe';
 import { UsageError } from './errors';
 
@@ -21,18 +21,11 @@ export async function gcRun(storeRoot: string, runId: string, live: Live | 'ende
     ? (JSON.parse(fs.readFileSync(configFile, 'utf8')) as { config: RecipeConfig }).config.store : undefined;
   const store = RecipeConfig.shape.store.parse(saved);
   const keepSteps = overrides.keepSteps ?? store.keep_steps;
-  const checkpointStep = live === 'ended' ? latestCheckpointStep(runDir) : live.checkpointStep;
+  const checkpointStep = live === 'ended' ? latestCheckpoint(storeRoot, runId)?.step ?? null : live.checkpointStep;
   const policy: GcPolicy = {
     keepAfterStep: (checkpointStep ?? 0) - keepSteps, // no checkpoint: every step may have to be replayed
     liveFrom: live === 'ended' ? Number.MAX_SAFE_INTEGER : live.liveFrom,
     keepCheckpoints: overrides.keepCheckpoints !== undefined ? overrides.keepCheckpoints : store.keep_checkpoints,
   };
   return { policy, removed: await collectGarbage(storeRoot, runId, policy) };
-}
-
-function latestCheckpointStep(runDir: string): number | null {
-  const latest = path.join(runDir, 'checkpoints', 'latest');
-  if (!fs.existsSync(latest)) return null;
-  const dir = path.join(runDir, 'checkpoints', path.basename(fs.readFileSync(latest, 'utf8').trim())); // the store may have moved
-  return (JSON.parse(fs.readFileSync(path.join(dir, 'trainer_state.json'), 'utf8')) as { step: number }).step;
 }
