@@ -101,21 +101,16 @@ async function waitFor(what: string, check: () => Promise<boolean>, proc: ChildP
   throw new Error(`${what} not ready after ${timeoutMs / 1000}s; log ${log}:\n${tail(log)}`);
 }
 
-function tail(file: string): string {
+// A log's bytes, none if it cannot be read (not written yet).
+function readLog(file: string): Buffer {
   try {
-    return fs.readFileSync(file, 'utf8').slice(-3000);
+    return fs.readFileSync(file);
   } catch {
-    return '';
+    return Buffer.alloc(0);
   }
 }
-
-function readFrom(file: string, offset: number): string {
-  try {
-    return fs.readFileSync(file).subarray(offset).toString('utf8');
-  } catch {
-    return '';
-  }
-}
+// The end of a log, to show in an error.
+const tail = (file: string) => readLog(file).toString('utf8').slice(-3000);
 
 // Every process below `pid`, from /proc: torchrun starts its ranks in sessions of their own, so a
 // signal to torchrun's process group does not reach them, and a SIGKILLed torchrun cannot pass it on.
@@ -300,7 +295,7 @@ export async function startStack(opts: StackOptions): Promise<Stack> {
       const launched = launch(name, path.join(REPO_ROOT, 'node_modules', '.bin', 'tsx'), ['infra/worker.ts'], {
         MOLT_TEMPORAL_ADDRESS: temporalAddress, MOLT_ENGINES: engineUrls.join(','), MOLT_POOLS: JSON.stringify(pools), MOLT_ACTOR: actor,
         MOLT_STORE: storeRoot, MOLT_QUEUES: queues,
-      }, async (logFrom) => readFrom(log, logFrom).includes('worker ready'));
+      }, async (logFrom) => readLog(log).subarray(logFrom).toString('utf8').includes('worker ready'));
       await launched.ready();
       return launched.proc;
     };
