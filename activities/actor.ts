@@ -126,9 +126,15 @@ function initDir(storeRoot: string, runId: string): string | null {
 export async function trainStep(endpoints: ServiceEndpoints, input: TrainStepInput): Promise<TrainStepResult> {
   const refs = input.groups.flatMap((g) => groupRefs(input.runId, g));
   await writeStepManifest(endpoints.storeRoot, input, refs);
-  const res = await heartbeating({ step: input.step }, (async () => {
-    await catchUpActor(endpoints, input.runId, input.step - 1);
-    return postTrainStep(endpoints, input.runId, input.step, { refs, algo: input.algo });
+  return applyStep(endpoints, input.runId, input.step, { refs, algo: input.algo });
+}
+
+// The end of trainStep and sftStep, once the step's manifest is written: the actor catches up to the
+// step before, then applies this one (once: the actor's step log).
+async function applyStep(endpoints: ServiceEndpoints, runId: string, step: number, manifest: StepManifest): Promise<TrainStepResult> {
+  const res = await heartbeating({ step }, (async () => {
+    await catchUpActor(endpoints, runId, step - 1);
+    return postTrainStep(endpoints, runId, step, manifest);
   })());
   return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
 }
@@ -148,11 +154,7 @@ export async function sftStep(endpoints: ServiceEndpoints, input: SftStepInput):
     manifest = { refs: [], algo: { ...config.algo, lr: config.sft!.lr }, sft: examples };
     await writeFileAtomic(file, JSON.stringify(manifest));
   }
-  const res = await heartbeating({ step }, (async () => {
-    await catchUpActor(endpoints, runId, step - 1);
-    return postTrainStep(endpoints, runId, step, manifest);
-  })());
-  return { step: res.step, version: res.version, replayed: res.replayed, metrics: res.metrics };
+  return applyStep(endpoints, runId, step, manifest);
 }
 
 // Resumes the given engines (all of them, even when one fails) and throws if any resume failed.
