@@ -12,11 +12,10 @@
 import { promises as fs } from 'node:fs';
 import * as path from 'node:path';
 import { Context } from '@temporalio/activity';
-import { deriveSeed, AgentError } from '../agents/env-runner';
+import { deriveSeed } from '../agents/env-runner';
 import type { RecipeConfig } from '../agents/recipe';
 import type { EngineRouter } from '../agents/router';
-import { ServiceError } from './gpu-client';
-import { episodeRunner, loadRecipeAgent, poolClients, type EpisodeRunner } from './rollout';
+import { episodeFailed, episodeRunner, loadRecipeAgent, poolClients, type EpisodeRunner } from './rollout';
 
 export const EVAL_GROUP_BASE = 1_000_000_000;
 
@@ -70,7 +69,7 @@ export async function evaluate(router: EngineRouter, input: EvaluateInput, pools
       // A pool engine that failed inside the recipe's code (a judge down) fails the activity, which is retried, as in
       // rolloutGroup: not the episode's fault.
       if (poolFailure.error) throw poolFailure.error;
-      if (!(e instanceof AgentError || (e instanceof ServiceError && e.status === 400))) throw e; // engines down: retry
+      if (!episodeFailed(e)) throw e; // engines down: retry
       failed++;
       ctx.log.warn('eval episode failed', { groupIndex, episode, error: (e as Error).message });
       return 0;

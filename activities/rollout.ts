@@ -107,7 +107,7 @@ export function episodeRunner(runner: EnvAgentRunner | ChatAgentRunner, modulePa
 
 // The env failed, or the engine refused this episode's request (e.g. a prompt too long for it): the
 // episode fails, not the activity.
-const episodeFailed = (e: unknown) => e instanceof AgentError || (e instanceof ServiceError && e.status === 400);
+export const episodeFailed = (e: unknown) => e instanceof AgentError || (e instanceof ServiceError && e.status === 400);
 
 // A failed episode's error names the recipe, the file (and line) where the recipe's own code threw
 // (the first stack frame outside the framework in the causes the AgentError wraps; else the module)
