@@ -9,9 +9,11 @@ import * as net from 'node:net';
 import * as os from 'node:os';
 import * as path from 'node:path';
 import { REPO_ROOT } from '../agents/recipe';
+import { SEARCH_ATTRIBUTE_TYPES } from '../workflows/visibility';
 
 const VENV_BIN = path.join(REPO_ROOT, '.venv', 'bin');
-export const SEARCH_ATTRIBUTES = ['MoltRecipe=Keyword', 'MoltStep=Int', 'MoltVersion=Int', 'MoltReward=Double'];
+// What `temporal server start-dev --search-attribute` registers: the run's attributes (workflows/visibility.ts).
+export const SEARCH_ATTRIBUTES = Object.entries(SEARCH_ATTRIBUTE_TYPES).map(([name, type]) => `${name}=${type}`);
 
 export interface StackOptions {
   modelDir: string;
