@@ -347,10 +347,11 @@ engines.command('drain').description('no new groups for the engine; returns when
     console.log(`run ${runId}: engine ${url} left at version ${r.version} after ${r.seconds.toFixed(1)} s (${r.groups} groups finished on it)`);
   });
 
+// plot, gc and samples read a run's folder in the store.
+const storeOption = ['--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)'] as const;
 program.command('plot')
   .description('reward, loss, logprob mismatch and throughput curves of a run (PNG), and TensorBoard events')
-  .argument('<runId>')
-  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .argument('<runId>').option(...storeOption)
   .option('--out <file.png>', 'where to write the PNG (default <run>/metrics.png)')
   .action(async (runId: string, opts: { store?: string; out?: string }) => {
     const { png, tensorboard } = await plotRun(runId, opts.store, opts.out);
@@ -361,8 +362,7 @@ program.command('gc')
   .description('delete what a run no longer needs from the store, as each of its checkpoints does: step manifests and '
     + 'trajectories of the steps inside the last checkpoint (but its last store.keep_steps), journals and groups no step '
     + 'will train, checkpoints beyond store.keep_checkpoints')
-  .argument('<runId>')
-  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .argument('<runId>').option(...storeOption)
   .option('--keep-steps <n>', 'override store.keep_steps of the run\'s config.json')
   .option('--keep-checkpoints <n>', 'override store.keep_checkpoints (a number, or "all")')
   .option('--ended', 'the run is not running: do not ask Temporal (e.g. a run of a dev stack that is gone)')
@@ -415,8 +415,7 @@ withOverrides(program.command('eval'))
 
 program.command('samples')
   .description('decoded episodes of the last trained steps: prompt, completion, reward (<store>/<runId>/samples.jsonl)')
-  .argument('<runId>')
-  .option('--store <dir>', 'the trajectory store (default $MOLT_STORE, else .molt/stack/runs, else ./runs)')
+  .argument('<runId>').option(...storeOption)
   .option('--steps <n>', 'how many of the last steps to show', '3')
   .option('--step <n>', 'show this step only')
   .action((runId: string, opts: { store?: string; steps: string; step?: string }) => {
