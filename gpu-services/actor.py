@@ -25,6 +25,7 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import sys
@@ -171,6 +172,20 @@ def check_routes(model, segments: list[Segment], replay: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- the actor (all ranks)
+
+def remove_killed_saves(folder: Path) -> None:
+    """Clear what saves killed midway left in folder: a .<name>.tmp-<pid> (half written) is deleted, a .<name>.old-<pid>
+    (the checkpoint a save replaced) too, unless <name> is missing: killed between its two renames, the old one is the
+    only whole copy, and it goes back. Each is a whole checkpoint's bytes. A save is the only writer of such names, and
+    one actor at a time saves a run's checkpoints (the run claims it), so none of them is a save in progress."""
+    for p in folder.glob(".*"):
+        m = re.fullmatch(r"\.(.+)\.(tmp|old)-\d+", p.name)
+        if not (m and p.is_dir()):
+            continue
+        if m[2] == "old" and not (folder / m[1]).exists():
+            p.rename(folder / m[1])
+        else:
+            shutil.rmtree(p, ignore_errors=True)
 
 class Actor:
     def __init__(self, args):
@@ -458,6 +473,7 @@ class Actor:
         if self.rank != 0:
             return
         final = Path(path)
+        remove_killed_saves(final.parent)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         try:
             self._write_checkpoint(tmp, weights, optim)

@@ -236,6 +236,21 @@ def test_checkpoint_round_trip_into_a_fresh_actor(actor1, store, stepped1, tiny_
         assert r.status_code == 400 and "missing" in r.json()["error"]
 
 
+def test_a_save_clears_what_saves_killed_midway_left(actor1, tmp_path):
+    """A save killed midway (kill -9: no cleanup of its own) leaves a half-written .<name>.tmp-<pid>, or the checkpoint
+    it replaced as .<name>.old-<pid>: each a whole checkpoint's bytes on the disk for good. The next save clears them,
+    and puts back an old one whose replacement never landed (killed between the two renames). Other names stay."""
+    ckpts = tmp_path / "checkpoints"
+    for name in [".step-3.tmp-99999", ".step-2.old-12345", "step-2", ".step-1.old-4242", ".keep", ".step-5.tmp-x"]:
+        (ckpts / name).mkdir(parents=True)
+        (ckpts / name / "model.safetensors").write_bytes(name.encode())
+    with client(actor1) as c:
+        assert c.post("/checkpoint/save", json={"path": str(ckpts / "step-4")}).status_code == 200
+    assert sorted(p.name for p in ckpts.iterdir()) == [".keep", ".step-5.tmp-x", "step-1", "step-2", "step-4"]
+    assert (ckpts / "step-1" / "model.safetensors").read_bytes() == b".step-1.old-4242"
+    assert (ckpts / "step-2" / "model.safetensors").read_bytes() == b"step-2"
+
+
 def test_reset_starts_another_run_from_the_initial_weights(store, tiny_model, tmp_path):
     """One actor serves run after run: /reset brings back the --model weights, a fresh optimizer and an empty step
     log, so a second run's step 1 is the same update as the first run's step 1 was."""
